@@ -1,0 +1,178 @@
+"""Cases, timing and tables shared by every suite (``bench/<suite>.py``).
+
+A suite module defines ``cases(config) -> iterable of Case``. Each case is checked against the
+reference (``check``) before anything is timed; its time is the median over repeats
+(``time.perf_counter_ns`` on CPU, CUDA events through ``cupyx.profiler.benchmark`` on GPU), and
+its ratio is the named baseline's median divided by its own, measured in the same run.
+``python -m bench`` prints the tables and writes JSON under ``bench/results/``;
+``bench/test_bench.py`` runs the same cases under pytest-benchmark.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@dataclasses.dataclass
+class Config:
+    """What to run: ``quick`` (CI-sized shapes), ``gpu`` (cupy arrays), forced ``backend``."""
+
+    quick: bool = False
+    gpu: bool = False
+    backend: str | None = None
+    repeats: int = 7
+    min_time_s: float = 0.2
+
+
+@dataclasses.dataclass
+class Case:
+    """One timed (or report-only) row of a suite.
+
+    Attributes:
+        suite, name: where the row is printed.
+        fn: zero-argument callable that is timed; ``None`` for a report-only row.
+        check: zero-argument callable run once before timing; raises on a wrong result.
+        baseline: name of the case in the same suite this one is compared with.
+        target: minimum speedup over the baseline (``baseline_time / time``), reported PASS/FAIL.
+        nbytes: bytes a call moves, for GB/s; flops: floating-point operations, for GFLOP/s.
+        info: extra columns (formats, byte counts, errors, ...).
+    """
+
+    suite: str
+    name: str
+    fn: Callable[[], Any] | None = None
+    check: Callable[[], None] | None = None
+    baseline: str | None = None
+    target: float | None = None
+    nbytes: float | None = None
+    flops: float | None = None
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+def threads() -> dict:
+    """Thread counts in force (printed with every table)."""
+    out = {"cpus": os.cpu_count()}
+    try:
+        import numba
+
+        out["numba_threads"] = numba.get_num_threads()
+    except ImportError:
+        pass
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        if os.environ.get(var):
+            out[var] = os.environ[var]
+    return out
+
+
+def time_cpu(fn, repeats: int, min_time_s: float) -> float:
+    """Median seconds of ``fn()``, each sample long enough to be above timer noise."""
+    fn()  # warm-up: JIT compilation, caches
+    start = time.perf_counter_ns()
+    fn()
+    once = max((time.perf_counter_ns() - start) * 1e-9, 1e-7)
+    inner = max(1, int(min_time_s / repeats / once))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter_ns() - start) * 1e-9 / inner)
+    return statistics.median(samples)
+
+
+def time_gpu(fn, repeats: int) -> float:
+    from cupyx.profiler import benchmark
+
+    result = benchmark(fn, n_repeat=max(repeats, 10), n_warmup=3)
+    return float(statistics.median(result.gpu_times[0]))
+
+
+def run_cases(cases, config: Config, progress=print) -> list[dict]:
+    """Check, then time, every case; return one result dict per case."""
+    rows = []
+    by_name = {}
+    for case in cases:
+        progress(f"  {case.suite}/{case.name} ...")
+        if case.check is not None:
+            case.check()
+        seconds = None
+        if case.fn is not None:
+            seconds = (time_gpu(case.fn, config.repeats) if config.gpu
+                       else time_cpu(case.fn, config.repeats, config.min_time_s))
+        row = {"suite": case.suite, "case": case.name, "seconds": seconds, **case.info}
+        if seconds and case.nbytes:
+            row["GB/s"] = case.nbytes / seconds / 1e9
+        if seconds and case.flops:
+            row["GFLOP/s"] = case.flops / seconds / 1e9
+        if case.baseline is not None:
+            base = by_name[case.baseline]
+            row["baseline"] = case.baseline
+            row["ratio"] = base["seconds"] / seconds
+            if case.target is not None:
+                row["target"] = case.target
+                row["met"] = row["ratio"] >= case.target
+        by_name[case.name] = row
+        rows.append(row)
+    return rows
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "PASS" if value else "FAIL"
+    if isinstance(value, float):
+        if value == 0:
+            return "0"
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        return f"{value:.4g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def table(rows: list[dict]) -> str:
+    """A plain-text table of result rows; time in ms."""
+    if not rows:
+        return "(no rows)"
+    columns = []
+    for row in rows:
+        for key in row:
+            if key not in columns and key != "suite":
+                columns.append(key)
+    shown = [{**r, "seconds": None if r.get("seconds") is None else r["seconds"] * 1e3}
+             for r in rows]
+    header = ["ms" if c == "seconds" else c for c in columns]
+    cells = [[_fmt(r.get(c)) for c in columns] for r in shown]
+    widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def write_json(name: str, rows: list[dict], config: Config, directory: Path | None = None) -> Path:
+    directory = Path(directory) if directory is not None else RESULTS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    payload = {
+        "config": dataclasses.asdict(config),
+        "threads": threads(),
+        "python": sys.version.split()[0],
+        "machine": platform.machine(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "rows": rows,
+    }
+    path.write_text(json.dumps(payload, indent=1, default=str))
+    return path

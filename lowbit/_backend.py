@@ -1,0 +1,104 @@
+"""Optional imports (cupy, numba) and array-kind detection.
+
+Used by ``lowbit/_dispatch.py``; nothing here imports cupy or numba eagerly at module import
+beyond a guarded try, so ``import lowbit`` works with neither installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import numpy as np
+
+
+@functools.lru_cache(maxsize=None)
+def cupy_module():
+    """Return the cupy module, or None when it is not installed or unusable."""
+    if importlib.util.find_spec("cupy") is None:
+        return None
+    try:
+        import cupy
+    except Exception:  # a broken CUDA install must not break `import lowbit`
+        return None
+    return cupy
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_device_count() -> int:
+    cp = cupy_module()
+    if cp is None:
+        return 0
+    try:
+        return int(cp.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+@functools.lru_cache(maxsize=None)
+def numba_available() -> bool:
+    if importlib.util.find_spec("numba") is None:
+        return False
+    try:
+        import numba  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def is_cupy_array(x) -> bool:
+    cp = cupy_module()
+    return cp is not None and isinstance(x, cp.ndarray)
+
+
+def array_kind(*arrays) -> str | None:
+    """Return "numpy", "cupy" or None (no arrays) for the given inputs.
+
+    Raises:
+        TypeError: numpy and cupy arrays are mixed (data is never moved implicitly).
+    """
+    kinds = set()
+    for a in arrays:
+        if a is None:
+            continue
+        if is_cupy_array(a):
+            kinds.add("cupy")
+        elif isinstance(a, np.ndarray):
+            kinds.add("numpy")
+    if len(kinds) > 1:
+        raise TypeError(
+            "inputs mix numpy and cupy arrays; lowbit never moves data between host and device: "
+            "convert them first (cupy.asarray / cupy.asnumpy)"
+        )
+    return kinds.pop() if kinds else None
+
+
+def array_module(*arrays):
+    """numpy or cupy, following the kind of the given arrays (numpy when none)."""
+    return cupy_module() if array_kind(*arrays) == "cupy" else np
+
+
+# Tests set this (tests/conftest.py) so that every output a backend allocates starts as NaN (or
+# all-ones bits for integers): an element a kernel forgets to write then fails the comparison.
+_poison_outputs = False
+
+
+def set_poison_outputs(flag: bool) -> bool:
+    """Turn NaN-poisoning of freshly allocated outputs on or off; returns the previous value."""
+    global _poison_outputs
+    previous, _poison_outputs = _poison_outputs, bool(flag)
+    return previous
+
+
+def empty(shape, dtype, xp=np):
+    """Allocate an output array on ``xp`` (numpy or cupy); every backend allocates through here."""
+    out = xp.empty(shape, dtype=dtype)
+    if _poison_outputs and out.size:
+        kind = np.dtype(dtype).kind
+        if kind in "fc":
+            out.fill(np.nan)
+        elif kind in "iub":
+            out.view(np.uint8 if kind == "b" else out.dtype).fill(
+                True if kind == "b" else np.iinfo(out.dtype).max if kind == "u" else -1
+            )
+    return out

@@ -1,0 +1,105 @@
+"""Dispatch: backend selection, strict forcing, error messages; lowbit/_dispatch.py."""
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import lowbit
+from lowbit import _backend, _dispatch
+
+
+def test_available_backends_lists_cpu_backends():
+    names = lowbit.available_backends()
+    assert names[0] == "numpy"
+    assert set(names) <= set(_dispatch.BACKENDS)
+    assert "numba" in names  # a default dependency
+
+
+def test_automatic_choice_for_numpy_arrays():
+    assert _dispatch.select_backend(np.zeros(3)) == "numba"
+
+
+def test_use_backend_forces_and_restores():
+    with lowbit.use_backend("numpy"):
+        assert _dispatch.select_backend(np.zeros(3)) == "numpy"
+        with lowbit.use_backend("numba"):
+            assert _dispatch.select_backend(np.zeros(3)) == "numba"
+        assert _dispatch.select_backend(np.zeros(3)) == "numpy"
+    assert _dispatch.forced_backend() is None
+
+
+def test_environment_variable_forces(monkeypatch):
+    monkeypatch.setenv("LOWBIT_BACKEND", "numpy")
+    assert _dispatch.select_backend(np.zeros(3)) == "numpy"
+    with lowbit.use_backend("numba"):  # the context manager wins over the environment
+        assert _dispatch.select_backend(np.zeros(3)) == "numba"
+
+
+def test_environment_variable_unknown(monkeypatch):
+    monkeypatch.setenv("LOWBIT_BACKEND", "tpu")
+    with pytest.raises(ValueError, match="LOWBIT_BACKEND"):
+        _dispatch.select_backend(np.zeros(3))
+
+
+def test_unknown_backend_name():
+    with pytest.raises(ValueError, match="backend"):
+        with lowbit.use_backend("opencl"):
+            pass
+
+
+def test_forced_cuda_on_numpy_arrays_is_a_type_error():
+    with lowbit.use_backend("cuda"):
+        with pytest.raises(TypeError, match="cuda"):
+            lowbit.pack_bits(np.zeros(4, np.uint8), 2)
+
+
+def test_forced_missing_backend_says_how_to_get_it(monkeypatch):
+    monkeypatch.setattr(_backend, "numba_available", lambda: False)
+    with lowbit.use_backend("numba"):
+        with pytest.raises(lowbit.BackendUnavailableError, match="pip install numba"):
+            lowbit.pack_bits(np.zeros(4, np.uint8), 2)
+    # Not forced: the automatic choice falls back to NumPy.
+    assert _dispatch.select_backend(np.zeros(3)) == "numpy"
+
+
+def test_forced_missing_cudasim_says_how_to_get_it(monkeypatch):
+    from lowbit import _cudasim
+
+    monkeypatch.setattr(_cudasim, "available", lambda: False)
+    with lowbit.use_backend("cudasim"):
+        with pytest.raises(lowbit.BackendUnavailableError, match="cudasim"):
+            lowbit.pack_bits(np.zeros(4, np.uint8), 2)
+
+
+class _FakeDeviceArray(np.ndarray):
+    """Stands in for a cupy array so that mixing can be tested without a GPU."""
+
+
+def test_mixed_numpy_and_cupy_inputs_raise(monkeypatch):
+    monkeypatch.setattr(_backend, "is_cupy_array", lambda x: isinstance(x, _FakeDeviceArray))
+    fake = np.zeros(3).view(_FakeDeviceArray)
+    with pytest.raises(TypeError, match="mix numpy and cupy"):
+        _backend.array_kind(np.zeros(3), fake)
+
+
+def test_import_without_numba_and_cupy():
+    code = textwrap.dedent("""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split('.')[0] in ('numba', 'cupy', 'llvmlite'):
+                    raise ImportError('blocked ' + name)
+        sys.meta_path.insert(0, Block())
+        import numpy as np, lowbit
+        names = lowbit.available_backends()
+        assert 'numba' not in names and 'cuda' not in names, names
+        codes = np.arange(10, dtype=np.uint8) % 4
+        assert (lowbit.unpack_bits(lowbit.pack_bits(codes, 2), 2, 10) == codes).all()
+        print('ok', names)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok")
