@@ -42,6 +42,7 @@ def source(name: str) -> str:
     return f"// lowbit headers sha256 {digest.hexdigest()}\n{text}"
 
 
+#: Loaded modules per (source, expressions, backend/device).
 _modules: dict = {}
 
 
@@ -69,6 +70,7 @@ def module(source_name: str, name_expressions: tuple[str, ...], like):
         return mod
     from . import _cudasim
 
+    # Cached here too: _cudasim's own lookup hashes the source and headers on every call.
     key = (source_name, name_expressions, "cudasim")
     mod = _modules.get(key)
     if mod is None:

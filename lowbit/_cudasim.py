@@ -1,0 +1,579 @@
+"""cudasim: run lowbit's CUDA kernels (``cuda/*.cu``) on the CPU, built with g++.
+
+``load_module(code, name_expressions, include_dirs)`` compiles a .cu source against the
+emulation header ``cuda/cudasim.cuh`` into a shared library and returns a ``SimModule`` that
+answers ``get_function(name)(grid, block, args, shared_mem=0)`` like ``cupy.RawModule``.
+``lowbit/_kernels.py`` picks it for numpy arrays; the launchers in ``lowbit/ops/<op>/_cuda.py``
+are shared with the cuda backend. Tests: ``tests/test_cudasim.py`` with ``tests/cuda/*.cu``.
+
+How a module is built:
+
+* The source is compiled with ``$CXX`` (default ``g++``) as
+  ``-std=c++20 -O1 -fPIC -shared -pthread`` plus ``-include cudasim.cuh -DLOWBIT_CUDASIM=1``,
+  ``-fno-strict-aliasing`` (CUDA code type-puns through pointers), ``-ffp-contract=off``
+  and hidden visibility. ``cudasim.cuh`` is looked up in ``include_dirs`` first, then in the
+  ``cuda/`` folder of a checkout or the installed ``lowbit._cuda_src``.
+* For every name expression an ``extern "C"`` trampoline ``lowbit_sim_entry_<i>(void** argv)``
+  is appended; it calls the kernel with argument ``i`` read from ``argv[i]`` as the parameter
+  type C++ deduces from the function pointer. ``lowbit_sim_params_<i>`` reports the parameter
+  sizes and kinds, which ``SimKernel`` checks before every launch.
+
+Argument rules (checked before anything runs; ``TypeError`` on a mismatch):
+
+* numpy arrays are passed as their data pointer (strides are ignored, as in cupy) and must meet
+  pointer parameters;
+* numpy scalars (``np.int32(n)``, ``np.float32(x)``, ...) are passed by value and must have the
+  parameter's byte size and family (integer or floating point; signedness is not checked,
+  like on the GPU where only the bytes travel);
+* Python ``int``/``float``/``bool`` are rejected: on a GPU their width is ambiguous (cupy picks
+  one that need not match the kernel's parameter), so launchers must say ``np.int32`` /
+  ``np.int64`` / ``np.float32`` explicitly.
+
+Execution: ``cuda/cudasim.cuh`` runs one OS thread per CUDA thread (stack 256 KiB), the blocks
+one after another; deadlocks and divergent barriers raise ``RuntimeError``. A barrier wait
+that lasts longer than ``timeout`` seconds (default ``$LOWBIT_CUDASIM_TIMEOUT`` or 10) also
+raises, once the thread that keeps the others waiting finishes. A kernel that loops forever
+outside any barrier, crashes or overflows its stack cannot be caught.
+
+Build cache: libraries live in a private per-user folder, ``$LOWBIT_CACHE_DIR/cudasim``, else
+``$XDG_CACHE_HOME/lowbit/cudasim``, else ``~/.cache/lowbit/cudasim``. The folder is created
+with mode 0700 and checked before every use: if it is a symlink, not owned by the current user
+or writable by group or others, it is not used (a ``RuntimeWarning`` is issued and a fresh
+private temporary folder serves this process), so nobody else can plant a library there. A
+library's name is the sha256 of everything that can change it: the full source with the
+trampolines, every header under ``include_dirs``, the emulation header, the compiler command and
+its ``--version``. The builder compiles in a temporary folder inside the cache, loads its own
+copy, then moves it into place with ``os.replace`` and records the library's own sha256 in
+``<key>.sha256`` (also written to a temporary name and replaced), so concurrent builders, in
+threads or processes, never see partial files and all succeed. A cached library is loaded only
+when its bytes hash to the recorded digest; a corrupted or altered one is rebuilt. Loaded
+modules are also kept in memory for the life of the process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shlex
+import shutil
+import stat
+import subprocess
+import tempfile
+import threading
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["available", "unavailable_reason", "load_module", "SimModule", "SimKernel"]
+
+HEADER_NAME = "cudasim.cuh"
+CXX_FLAGS = (
+    "-std=c++20",
+    "-O1",
+    "-fPIC",
+    "-shared",
+    "-pthread",
+    "-fvisibility=hidden",
+    "-fno-strict-aliasing",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-DLOWBIT_CUDASIM=1",
+)
+#: Suffixes of the files under an include dir whose contents enter the cache key.
+HEADER_SUFFIXES = (".cuh", ".h", ".hpp", ".hh", ".inc", ".inl")
+DEFAULT_TIMEOUT_S = 10.0
+#: cupy's default limit on dynamic shared memory without the opt-in attribute.
+DEFAULT_MAX_DYNAMIC_SHARED = 48 * 1024
+#: The largest opt-in dynamic shared memory of current GPUs (sm_90: 227 KiB).
+MAX_DYNAMIC_SHARED_OPT_IN = 227 * 1024
+MAX_BLOCK_THREADS = 1024
+MAX_BLOCK_DIMS = (1024, 1024, 64)
+MAX_GRID_DIMS = (2**31 - 1, 65535, 65535)
+_ERRBUF_BYTES = 4096
+_MAX_PARAMS = 256
+
+_PARAM_KINDS = {0: "pointer", 1: "signed integer", 2: "unsigned integer", 3: "floating point",
+                4: "bool", 5: "struct"}
+
+#: Number of g++ runs in this process; tests read it to tell a cache hit from a build.
+build_count = 0
+
+_lock = threading.Lock()
+_modules: dict[str, SimModule] = {}
+_key_locks: dict[str, threading.Lock] = {}
+_private_tmp_cache: Path | None = None
+
+
+# ------------------------------------------------------------------------------------------
+# Availability
+# ------------------------------------------------------------------------------------------
+
+def _compiler() -> list[str] | None:
+    cxx = shlex.split(os.environ.get("CXX", "") or "g++")
+    if not cxx or shutil.which(cxx[0]) is None:
+        return None
+    return cxx
+
+
+def available() -> bool:
+    """Whether a C++ compiler for cudasim (``$CXX`` or ``g++``) is on PATH."""
+    return _compiler() is not None
+
+
+def unavailable_reason() -> str:
+    """Why cudasim cannot run here, and how to fix it ("" when it can)."""
+    if available():
+        return ""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return f"cudasim needs the C++ compiler $CXX={cxx!r}, which is not on PATH"
+    return "cudasim needs g++ (e.g. apt-get install g++), or set $CXX to a C++20 compiler"
+
+
+_version_cache: dict[tuple[str, ...], str] = {}
+
+
+def _compiler_version(cxx: list[str]) -> str:
+    key = tuple(cxx)
+    if key not in _version_cache:
+        out = subprocess.run([*cxx, "--version"], capture_output=True, text=True, check=False)
+        _version_cache[key] = f"{shutil.which(cxx[0])}\n{out.stdout}"
+    return _version_cache[key]
+
+
+# ------------------------------------------------------------------------------------------
+# Cache folder
+# ------------------------------------------------------------------------------------------
+
+def _default_cache_dir() -> Path:
+    root = os.environ.get("LOWBIT_CACHE_DIR")
+    if root:
+        return Path(root) / "cudasim"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "lowbit" / "cudasim"
+
+
+def _insecure_reason(path: Path) -> str | None:
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    if st.st_uid != os.geteuid():
+        return f"it is owned by uid {st.st_uid}, not {os.geteuid()}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def cache_dir() -> Path:
+    """The verified private folder that holds built libraries (created if missing)."""
+    global _private_tmp_cache
+    path = _default_cache_dir()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        reason = _insecure_reason(path)
+    except OSError as exc:
+        reason = f"it cannot be created ({exc})"
+    if reason is None:
+        return path
+    with _lock:
+        if _private_tmp_cache is None:
+            _private_tmp_cache = Path(tempfile.mkdtemp(prefix="lowbit-cudasim-"))
+        fallback = _private_tmp_cache
+    warnings.warn(
+        f"cudasim does not use the cache folder {path}: {reason}; building in the private "
+        f"temporary folder {fallback} instead",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return fallback
+
+
+# ------------------------------------------------------------------------------------------
+# Building
+# ------------------------------------------------------------------------------------------
+
+def _find_header(include_dirs: Sequence[str]) -> Path:
+    here = Path(__file__).resolve().parent
+    candidates = [Path(d) / HEADER_NAME for d in include_dirs]
+    candidates += [here / "_cuda_src" / HEADER_NAME, here.parent / "cuda" / HEADER_NAME]
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    raise FileNotFoundError(
+        f"cudasim emulation header {HEADER_NAME} not found in {list(include_dirs)} nor beside "
+        "the lowbit package"
+    )
+
+
+_NAME_EXPR_FORBIDDEN = re.compile(r"[;{}\n\r\"'#\\]")
+
+
+def _check_name_expressions(name_expressions: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(name_expressions, str):
+        raise TypeError("name_expressions must be a sequence of strings, not one string")
+    names = tuple(name_expressions)
+    for n in names:
+        if not isinstance(n, str) or not n.strip() or _NAME_EXPR_FORBIDDEN.search(n):
+            raise ValueError(f"invalid kernel name expression {n!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate name expressions in {names}")
+    return names
+
+
+def _full_source(code: str, names: tuple[str, ...]) -> str:
+    lines = [code, "", '#line 1 "lowbit-cudasim-trampolines"']
+    for i, n in enumerate(names):
+        lines.append(
+            f'extern "C" LOWBIT_SIM_EXPORT void lowbit_sim_entry_{i}(void** argv) '
+            f"{{ ::lowbit_sim::invoke(&{n}, argv); }}"
+        )
+        lines.append(
+            f'extern "C" LOWBIT_SIM_EXPORT int lowbit_sim_params_{i}(long long* sizes, '
+            f"int* kinds, int capacity) {{ return ::lowbit_sim::describe(&{n}, sizes, kinds, "
+            f"capacity); }}"
+        )
+        lines.append(
+            f'extern "C" LOWBIT_SIM_EXPORT const char* lowbit_sim_signature_{i}() '
+            f"{{ return ::lowbit_sim::signature_of(&{n}); }}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _hash_include_dirs(h, include_dirs: Sequence[str]) -> None:
+    for d in include_dirs:
+        root = Path(d)
+        h.update(f"\0dir {root.resolve()}\0".encode())
+        if not root.is_dir():
+            continue
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(x for x in dirnames if not x.startswith((".", "__pycache__")))
+            for fn in sorted(filenames):
+                if fn.endswith(HEADER_SUFFIXES):
+                    p = Path(dirpath) / fn
+                    h.update(f"\0file {p.relative_to(root)}\0".encode())
+                    h.update(p.read_bytes())
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _compile(cxx: list[str], cmd_flags: list[str], source: str, directory: Path,
+             out_name: str) -> Path:
+    """Compile ``source`` in ``directory`` (relative names keep the library reproducible)."""
+    global build_count
+    (directory / "kernel.cpp").write_text(source)
+    cmd = [*cxx, *cmd_flags, "kernel.cpp", "-o", out_name]
+    with _lock:
+        build_count += 1
+    proc = subprocess.run(cmd, cwd=directory, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        log = proc.stderr.strip() or proc.stdout.strip()
+        raise RuntimeError(
+            f"cudasim: compiling the kernel source failed ({shlex.join(cmd)}):\n{log}"
+        )
+    return directory / out_name
+
+
+def load_module(code: str, name_expressions: Sequence[str],
+                include_dirs: Sequence[str]) -> SimModule:
+    """Build (or load from the cache) the CPU module of a CUDA source.
+
+    Args:
+        code: the full .cu source text; its ``#include "..."`` are found through
+            ``include_dirs``.
+        name_expressions: every kernel that will be launched, as cupy name expressions:
+            a template instantiation (``"pack_bits<2>"``) or a plain kernel name.
+        include_dirs: folders passed to g++ with ``-I``; every header below them (by suffix,
+            recursively) enters the cache key.
+
+    Returns:
+        The loaded module.
+
+    Raises:
+        RuntimeError: cudasim is unavailable or the source does not compile (g++'s messages
+            are included).
+        ValueError: a malformed or duplicated name expression.
+    """
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError(unavailable_reason())
+    names = _check_name_expressions(name_expressions)
+    include_dirs = [str(d) for d in include_dirs]
+    header = _find_header(include_dirs)
+    source = _full_source(code, names)
+    flags = [*CXX_FLAGS, "-include", str(header)]
+    for d in include_dirs:
+        flags.append(f"-I{Path(d).resolve()}")
+
+    h = hashlib.sha256()
+    for part in (source, "\0".join(flags), "\0".join(cxx), _compiler_version(cxx)):
+        h.update(part.encode())
+        h.update(b"\0\0")
+    h.update(header.read_bytes())
+    _hash_include_dirs(h, include_dirs)
+    key = h.hexdigest()
+
+    with _lock:
+        mod = _modules.get(key)
+        if mod is not None:
+            return mod
+        key_lock = _key_locks.setdefault(key, threading.Lock())
+    with key_lock:
+        with _lock:
+            mod = _modules.get(key)
+        if mod is None:
+            mod = SimModule(_load_or_build(key, cxx, flags, source), names)
+            with _lock:
+                _modules[key] = mod
+    return mod
+
+
+def _load_or_build(key: str, cxx: list[str], flags: list[str], source: str) -> ctypes.CDLL:
+    directory = cache_dir()
+    lib_path = directory / f"{key}.so"
+    digest_path = directory / f"{key}.sha256"
+    try:
+        recorded = digest_path.read_text().strip()
+        if lib_path.is_file() and _file_sha256(lib_path) == recorded:
+            return ctypes.CDLL(str(lib_path))
+    except (OSError, UnicodeDecodeError):
+        pass
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=directory) as tmp:
+        built = _compile(cxx, flags, source, Path(tmp), "module.so")
+        digest = _file_sha256(built)
+        # Load our own copy before publishing it: a concurrent builder may replace the cached
+        # file, and the mapping of the inode we loaded stays valid after a rename.
+        lib = ctypes.CDLL(str(built))
+        os.replace(built, lib_path)
+        _write_atomic(digest_path, (digest + "\n").encode())
+    return lib
+
+
+def _clear_loaded_modules() -> None:
+    """Forget the in-memory modules (tests use it to exercise the disk cache)."""
+    with _lock:
+        _modules.clear()
+
+
+# ------------------------------------------------------------------------------------------
+# Modules and launches
+# ------------------------------------------------------------------------------------------
+
+class SimModule:
+    """A built cudasim library: the counterpart of ``cupy.RawModule``."""
+
+    def __init__(self, lib: ctypes.CDLL, name_expressions: tuple[str, ...]):
+        self._lib = lib
+        self._names = name_expressions
+        self._kernels: dict[str, SimKernel] = {}
+        launch = lib.lowbit_sim_launch
+        launch.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)] + \
+            [ctypes.c_uint] * 6 + [ctypes.c_ulonglong, ctypes.c_longlong, ctypes.c_char_p,
+                                   ctypes.c_int]
+        launch.restype = ctypes.c_int
+        self._launch = launch
+
+    @property
+    def name_expressions(self) -> tuple[str, ...]:
+        return self._names
+
+    def get_function(self, name_expression: str) -> SimKernel:
+        """The kernel for one of the module's name expressions.
+
+        Raises:
+            KeyError: ``name_expression`` was not given to ``load_module``.
+        """
+        kernel = self._kernels.get(name_expression)
+        if kernel is None:
+            try:
+                index = self._names.index(name_expression)
+            except ValueError:
+                raise KeyError(
+                    f"cudasim: kernel {name_expression!r} is not among the module's name "
+                    f"expressions {list(self._names)}"
+                ) from None
+            kernel = SimKernel(self, index, name_expression)
+            self._kernels[name_expression] = kernel
+        return kernel
+
+
+def _dims(value, what: str, limits: tuple[int, int, int]) -> tuple[int, int, int]:
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        items = [value]
+    elif isinstance(value, (tuple, list)) and 1 <= len(value) <= 3:
+        items = list(value)
+    else:
+        raise TypeError(f"{what} must be an int or a tuple of 1 to 3 ints, got {value!r}")
+    dims = []
+    for v in items:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{what} must be an int or a tuple of 1 to 3 ints, got {value!r}")
+        dims.append(int(v))
+    dims += [1] * (3 - len(dims))
+    for axis, (d, lim) in enumerate(zip(dims, limits)):
+        if not 1 <= d <= lim:
+            raise ValueError(f"{what} dimension {'xyz'[axis]} is {d}; it must lie in [1, {lim}]")
+    return dims[0], dims[1], dims[2]
+
+
+class SimKernel:
+    """One kernel of a ``SimModule``: the counterpart of ``cupy.RawKernel``.
+
+    Attributes:
+        max_dynamic_shared_size_bytes: the largest ``shared_mem`` a launch may ask for; 48 KiB
+            unless raised (up to 227 KiB), as cupy requires on a GPU.
+    """
+
+    def __init__(self, module: SimModule, index: int, name: str):
+        self._module = module
+        self.name = name
+        lib = module._lib
+        self._entry = ctypes.cast(getattr(lib, f"lowbit_sim_entry_{index}"), ctypes.c_void_p)
+        params = getattr(lib, f"lowbit_sim_params_{index}")
+        params.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.POINTER(ctypes.c_int),
+                           ctypes.c_int]
+        params.restype = ctypes.c_int
+        sizes = (ctypes.c_longlong * _MAX_PARAMS)()
+        kinds = (ctypes.c_int * _MAX_PARAMS)()
+        n = params(sizes, kinds, _MAX_PARAMS)
+        if n > _MAX_PARAMS:
+            raise RuntimeError(f"cudasim: kernel {name} has more than {_MAX_PARAMS} parameters")
+        self.param_sizes = tuple(sizes[i] for i in range(n))
+        self.param_kinds = tuple(_PARAM_KINDS[kinds[i]] for i in range(n))
+        sig = getattr(lib, f"lowbit_sim_signature_{index}")
+        sig.restype = ctypes.c_char_p
+        text = sig().decode(errors="replace")
+        m = re.search(r"P = \{(.*)\}\]", text)
+        self.signature = f"{name}({m.group(1) if m else '...'})"
+        self._max_dyn = DEFAULT_MAX_DYNAMIC_SHARED
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        return self._max_dyn
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value: int) -> None:
+        value = int(value)
+        if not 0 <= value <= MAX_DYNAMIC_SHARED_OPT_IN:
+            raise ValueError(f"max_dynamic_shared_size_bytes must lie in [0, "
+                             f"{MAX_DYNAMIC_SHARED_OPT_IN}], got {value}")
+        self._max_dyn = value
+
+    @property
+    def num_params(self) -> int:
+        return len(self.param_sizes)
+
+    def _marshal(self, args) -> tuple[ctypes.Array, list]:
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"cudasim: kernel {self.signature}: args must be a tuple, "
+                            f"got {type(args).__name__}")
+        if len(args) != self.num_params:
+            raise TypeError(f"cudasim: kernel {self.signature} takes {self.num_params} "
+                            f"arguments, got {len(args)}")
+        keep = []
+        argv = (ctypes.c_void_p * max(1, len(args)))()
+        for i, (a, size, kind) in enumerate(zip(args, self.param_sizes, self.param_kinds)):
+            where = f"cudasim: kernel {self.signature}, argument {i}"
+            expected = f"a {size}-byte {kind}"
+            if isinstance(a, np.ndarray):
+                if kind != "pointer":
+                    raise TypeError(f"{where}: expected {expected} (a numpy scalar), got an array")
+                if a.dtype.hasobject:
+                    raise TypeError(f"{where}: arrays of Python objects cannot be passed")
+                buf = ctypes.c_void_p(a.ctypes.data)
+                keep.append(a)
+            elif isinstance(a, np.generic):
+                if kind == "pointer":
+                    raise TypeError(f"{where}: expected an array (pointer parameter), got "
+                                    f"{type(a).__name__}")
+                dk = a.dtype.kind
+                ok_kind = {"signed integer": "iu", "unsigned integer": "iu",
+                           "floating point": "f", "bool": "b"}.get(kind)
+                if a.dtype.itemsize != size or (ok_kind is not None and dk not in ok_kind):
+                    raise TypeError(f"{where}: expected {expected}, got {a.dtype.name} "
+                                    f"({a.dtype.itemsize} bytes)")
+                buf = ctypes.create_string_buffer(a.tobytes(), max(size, 8))
+            elif isinstance(a, (bool, int, float, complex)):
+                raise TypeError(f"{where}: got a Python {type(a).__name__}; pass a numpy scalar "
+                                f"of the parameter's type ({expected}), e.g. np.int32(...) — "
+                                "a Python number's width is ambiguous on a GPU")
+            else:
+                raise TypeError(f"{where}: expected {expected}, got {type(a).__name__}")
+            keep.append(buf)
+            argv[i] = ctypes.addressof(buf)
+        return argv, keep
+
+    def __call__(self, grid, block, args, shared_mem: int = 0, *,
+                 timeout: float | None = None) -> None:
+        """Launch the kernel and wait for it.
+
+        Args:
+            grid: blocks per grid, an int or a tuple of up to 3 ints.
+            block: threads per block, an int or a tuple of up to 3 ints (at most 1024 in all).
+            args: tuple of numpy arrays (passed by data pointer) and numpy scalars.
+            shared_mem: bytes of dynamic shared memory per block.
+            timeout: seconds a barrier wait may last before the launch is aborted
+                (default ``$LOWBIT_CUDASIM_TIMEOUT`` or 10).
+
+        Raises:
+            TypeError: arguments that do not match the kernel's parameters.
+            ValueError: an invalid launch configuration.
+            RuntimeError: the kernel deadlocked, diverged at a barrier, trapped or timed out.
+        """
+        g = _dims(grid, "grid", MAX_GRID_DIMS)
+        b = _dims(block, "block", MAX_BLOCK_DIMS)
+        if b[0] * b[1] * b[2] > MAX_BLOCK_THREADS:
+            raise ValueError(f"block {b} has {b[0] * b[1] * b[2]} threads; at most "
+                             f"{MAX_BLOCK_THREADS} are allowed")
+        if isinstance(shared_mem, bool) or not isinstance(shared_mem, (int, np.integer)):
+            raise TypeError(f"shared_mem must be an int, got {shared_mem!r}")
+        shared_mem = int(shared_mem)
+        if not 0 <= shared_mem <= self._max_dyn:
+            raise ValueError(
+                f"shared_mem={shared_mem} bytes exceeds max_dynamic_shared_size_bytes="
+                f"{self._max_dyn} of kernel {self.name} (raise it like on cupy)"
+            )
+        if timeout is None:
+            timeout = float(os.environ.get("LOWBIT_CUDASIM_TIMEOUT", DEFAULT_TIMEOUT_S))
+        timeout_ms = max(1, int(timeout * 1000))
+        argv, keep = self._marshal(args)
+        err = ctypes.create_string_buffer(_ERRBUF_BYTES)
+        rc = self._module._launch(self._entry, argv, *g, *b, shared_mem, timeout_ms, err,
+                                  _ERRBUF_BYTES)
+        del keep
+        if rc != 0:
+            raise RuntimeError(f"cudasim: kernel {self.name} grid={g} block={b}: "
+                               f"{err.value.decode(errors='replace')}")
+
+    def __repr__(self) -> str:
+        return f"<SimKernel {self.signature}>"
