@@ -21,8 +21,15 @@
 //     states where every running thread of the block waits on a barrier that cannot complete
 //     (a deadlock) abort the launch with an error message instead of hanging.
 //
-//   * a barrier wait that lasts longer than the launch's timeout aborts too, once the thread
-//     that keeps the others waiting reaches a barrier or exits; a thread that loops forever
+//   * every thread of a block counts as running from the moment the block is launched until
+//     it returns, whether or not its OS thread has been scheduled yet: a lane that has not
+//     started is still expected at warp intrinsics and __syncthreads(), and a deadlock is only
+//     reported when every one of the block's not-yet-exited threads waits. Each worker takes
+//     the (block generation, thread count) of a launch from one atomic word, so it runs its
+//     CUDA thread exactly once per block however late it is scheduled;
+//   * a barrier wait during which no thread of the block makes progress (starts, arrives at a
+//     barrier, exits) for the launch's timeout aborts too, once the thread that keeps the
+//     others waiting reaches a barrier or exits; a thread that loops forever
 //     outside barriers hangs the launch, and a crash (bad pointer, stack overflow) kills the
 //     process: neither can be caught;
 //   * a failing device assert() or __trap() aborts the launch with its message.
@@ -275,7 +282,11 @@ struct WarpGroup {
 };
 
 struct Warp {
-    unsigned live = 0;
+    unsigned live = 0;     // lanes that have not exited (started or not); guarded by Block::mu
+    std::atomic<unsigned> started{0};  // lanes whose kernel thread has begun in this block
+    Warp() = default;
+    Warp(Warp&& o) noexcept  // for std::vector::resize (only between blocks)
+        : live(o.live), started(o.started.load()), groups(std::move(o.groups)) {}
     std::vector<std::unique_ptr<WarpGroup>> groups;
 };
 
@@ -328,8 +339,11 @@ struct Block {
     int nthreads = 0;
     int live = 0;
     int blocked = 0;
-    long long timeout_ms = 10000;
+    long long timeout_ms = 60000;
     std::atomic<bool> aborted{false};
+    // Bumped whenever a thread of the block starts, arrives at a barrier or exits: a barrier
+    // wait only times out when nothing at all happened in the block for timeout_ms.
+    std::atomic<uint64_t> progress{0};
     std::string error;
 
     int bar_arrived = 0;
@@ -356,6 +370,7 @@ struct Block {
         for (int w = 0; w < nwarps; ++w) {
             const int lanes = n - w * kWarp < kWarp ? n - w * kWarp : kWarp;
             warps[w].live = lanes == kWarp ? ~0u : ((1u << lanes) - 1u);
+            warps[w].started.store(0, std::memory_order_relaxed);
             for (auto& g : warps[w].groups) {
                 g->arrived = 0;
                 g->waiting = 0;
@@ -419,20 +434,31 @@ struct Block {
                      uint32_t seen) {
         ++blocked;
         check_deadlock_locked();
+        uint64_t progress_seen = progress.load(std::memory_order_relaxed);
         lock.unlock();
-        const auto deadline =
-            std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+        const auto limit = std::chrono::milliseconds(timeout_ms);
+        auto deadline = std::chrono::steady_clock::now() + limit;
         while (word.load(std::memory_order_acquire) == seen) {
             const auto left = deadline - std::chrono::steady_clock::now();
             if (left.count() <= 0) {
                 lock.lock();
-                if (word.load(std::memory_order_relaxed) == seen) {
-                    fail_locked("barrier wait in " + where() + " exceeded the timeout of " +
-                                std::to_string(timeout_ms) +
-                                " ms while other threads kept running (deadlock, or a thread "
-                                "stuck in a loop)" +
-                                describe_waits());
+                const uint64_t now_progress = progress.load(std::memory_order_relaxed);
+                if (word.load(std::memory_order_relaxed) != seen) {
+                    lock.unlock();
+                    break;
                 }
+                if (now_progress != progress_seen) {
+                    // Slow (a loaded machine), not stuck: other threads still move.
+                    progress_seen = now_progress;
+                    lock.unlock();
+                    deadline = std::chrono::steady_clock::now() + limit;
+                    continue;
+                }
+                fail_locked("barrier wait in " + where() + " exceeded the timeout of " +
+                            std::to_string(timeout_ms) +
+                            " ms without any thread of the block making progress (a thread "
+                            "stuck in a loop outside barriers)" +
+                            describe_waits());
                 lock.unlock();
                 break;
             }
@@ -468,9 +494,18 @@ struct Block {
     // Called when a kernel thread returns (or unwinds): it leaves every barrier.
     void exit_thread(int t) {
         std::lock_guard<SpinLock> lock(mu);
-        --live;
+        progress.fetch_add(1, std::memory_order_relaxed);
         Warp& warp = warps[t / kWarp];
-        warp.live &= ~(1u << (t % kWarp));
+        const unsigned bit = 1u << (t % kWarp);
+        if ((warp.live & bit) == 0) {
+            // Cannot happen: each thread runs once per block. Say so loudly rather than let
+            // the accounting drift into a bogus deadlock report.
+            fail_locked("cudasim internal error: thread " + std::to_string(t) + " of " +
+                        where() + " exited twice");
+            return;
+        }
+        --live;
+        warp.live &= ~bit;
         if (aborted.load(std::memory_order_relaxed)) return;
         for (auto& g : warp.groups) {
             if (g->arrived != 0 && g->arrived == (g->mask & warp.live)) complete_group_locked(*g);
@@ -480,10 +515,38 @@ struct Block {
     }
 };
 
+// Debugging aid ($LOWBIT_CUDASIM_JITTER_US, see lowbit/_cudasim.py): sleep a pseudo-random
+// 0..max_us microseconds (0: just yield), to open the windows a loaded machine opens.
+inline void jitter(unsigned max_us) {
+    if (max_us == 0) return;
+    thread_local uint64_t state =
+        0x9e3779b97f4a7c15ull ^ static_cast<uint64_t>(reinterpret_cast<uintptr_t>(&state));
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    const unsigned us = static_cast<unsigned>(state % (max_us + 1ull));
+    if (us == 0) {
+        sched_yield();
+        return;
+    }
+    timespec ts{static_cast<time_t>(us / 1000000), static_cast<long>(us % 1000000) * 1000};
+    nanosleep(&ts, nullptr);
+}
+
+// A block to run, as one atomic word: generation (high 32 bits) and thread count (low 32 bits).
+// A worker decides whether it takes part from the same snapshot that tells it the block is
+// new, so a worker that is descheduled anywhere can neither run a block twice nor act on the
+// thread count of another launch.
+inline uint64_t make_job(uint32_t gen, int nthreads) {
+    return (static_cast<uint64_t>(gen) << 32) | static_cast<uint32_t>(nthreads);
+}
+inline uint32_t job_gen(uint64_t job) { return static_cast<uint32_t>(job >> 32); }
+inline int job_threads(uint64_t job) { return static_cast<int>(static_cast<uint32_t>(job)); }
+
 struct Worker {
     bool alive = false;  // guarded by Runtime::pool_mu
     int index = 0;
-    uint32_t seen_start = 0;  // start word value when the thread was created
+    uint32_t seen_gen = 0;  // job generation current when the thread was created
 };
 
 void* worker_main(void* arg);
@@ -494,10 +557,11 @@ struct Runtime {
     std::mutex pool_mu;
     bool in_launch = false;  // guarded by pool_mu; idle workers do not exit during a launch
     std::vector<Worker*> workers;
-    std::atomic<uint32_t> start_word{0};  // bumped to start the threads of a block
+    std::atomic<uint64_t> job{0};         // make_job(generation, threads) of the current block
+    std::atomic<uint32_t> start_word{0};  // futex word: set to the generation after `job`
     std::atomic<uint32_t> done_word{0};   // bumped by the last thread of a block
     std::atomic<int> remaining{0};
-    int block_threads = 0;
+    unsigned jitter_us = 0;
 
     Block block;
     void (*entry)(void**) = nullptr;
@@ -523,7 +587,7 @@ struct Runtime {
             if (w->alive) continue;
             pthread_t tid;
             w->alive = true;
-            w->seen_start = start_word.load(std::memory_order_relaxed);
+            w->seen_gen = job_gen(job.load(std::memory_order_relaxed));
             const int rc = pthread_create(&tid, &attr, &worker_main, w);
             if (rc != 0) {
                 w->alive = false;
@@ -556,6 +620,16 @@ inline void run_kernel_thread(Runtime& rt, int index) {
     t_index = index;
     t_lane = index % kWarp;
     t_warp = index / kWarp;
+    Block& b = rt.block;
+    const unsigned bit = 1u << t_lane;
+    if (b.warps[t_warp].started.fetch_or(bit, std::memory_order_relaxed) & bit) {
+        // Cannot happen (see make_job); never run a CUDA thread twice in one block.
+        std::lock_guard<SpinLock> lock(b.mu);
+        b.fail_locked("cudasim internal error: thread " + std::to_string(index) + " of " +
+                      b.where() + " started twice");
+        return;  // its first run does the exit accounting
+    }
+    b.progress.fetch_add(1, std::memory_order_relaxed);
     try {
         rt.entry(rt.argv);
     } catch (const Abort&) {
@@ -566,7 +640,9 @@ inline void run_kernel_thread(Runtime& rt, int index) {
         std::lock_guard<SpinLock> lock(rt.block.mu);
         rt.block.fail_locked("kernel thread threw an exception");
     }
+    jitter(rt.jitter_us);
     rt.block.exit_thread(index);
+    jitter(rt.jitter_us);
     if (rt.remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) {
         rt.done_word.fetch_add(1, std::memory_order_release);
         word_wake_all(rt.done_word);
@@ -582,27 +658,36 @@ inline void* worker_main(void* arg) {
     pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
 #endif
     Runtime& rt = *g_runtime;
-    uint32_t seen = w->seen_start;
+    uint32_t seen = w->seen_gen;
     auto idle_since = std::chrono::steady_clock::now();
     for (;;) {
-        const uint32_t now_word = rt.start_word.load(std::memory_order_acquire);
-        if (now_word != seen) {
-            seen = now_word;
-            if (w->index < rt.block_threads) run_kernel_thread(rt, w->index);
+        // The futex word first: if the launcher publishes a job after this load, the wait
+        // below returns at once instead of missing the wake-up.
+        const uint32_t word = rt.start_word.load(std::memory_order_acquire);
+        const uint64_t job = rt.job.load(std::memory_order_acquire);
+        if (job_gen(job) != seen) {
+            // A block this worker has not looked at. If the worker is needed (index < threads
+            // of this very job), the block cannot finish without it, so the job is still
+            // current; if not, it only records the generation.
+            seen = job_gen(job);
+            if (w->index < job_threads(job)) {
+                jitter(rt.jitter_us);
+                run_kernel_thread(rt, w->index);
+            }
             idle_since = std::chrono::steady_clock::now();
             continue;
         }
         const auto left = idle_since + kWorkerIdle - std::chrono::steady_clock::now();
         if (left.count() <= 0) {
             std::lock_guard<std::mutex> lock(rt.pool_mu);
-            if (!rt.in_launch && rt.start_word.load(std::memory_order_acquire) == seen) {
+            if (!rt.in_launch && job_gen(rt.job.load(std::memory_order_acquire)) == seen) {
                 w->alive = false;
                 return nullptr;
             }
             idle_since = std::chrono::steady_clock::now();
             continue;
         }
-        word_wait(rt.start_word, seen, left);
+        word_wait(rt.start_word, word, left);
     }
 }
 
@@ -623,6 +708,7 @@ inline void sync_block_impl(const std::source_location& loc, int pred, int& coun
     }
     ++b.bar_arrived;
     b.bar_count += pred != 0;
+    b.progress.fetch_add(1, std::memory_order_relaxed);
     const uint32_t seen = b.bar_word.load(std::memory_order_relaxed);
     if (b.bar_arrived == b.live) {
         count = b.bar_count;
@@ -672,6 +758,7 @@ inline WarpView warp_sync(unsigned mask, int op, uint64_t value) {
     const int parity = static_cast<int>(seen & 1);
     g->vals[parity][lane] = value;
     g->arrived |= me;
+    b.progress.fetch_add(1, std::memory_order_relaxed);
     if (g->arrived == (g->mask & warp.live)) {
         b.complete_group_locked(*g);
     } else {
@@ -854,8 +941,8 @@ extern "C" LOWBIT_SIM_EXPORT int lowbit_sim_launch(void (*entry)(void**), void**
                                                    unsigned gx, unsigned gy, unsigned gz,
                                                    unsigned bx, unsigned by, unsigned bz,
                                                    unsigned long long shared_mem,
-                                                   long long timeout_ms, char* errbuf,
-                                                   int errcap) {
+                                                   long long timeout_ms, unsigned jitter_us,
+                                                   char* errbuf, int errcap) {
     using namespace lowbit_sim;
     Runtime& rt = runtime_for_launch();
     std::lock_guard<std::mutex> launch_lock(rt.launch_mu);
@@ -876,10 +963,10 @@ extern "C" LOWBIT_SIM_EXPORT int lowbit_sim_launch(void (*entry)(void**), void**
         rt.entry = entry;
         rt.argv = argv;
         rt.block.timeout_ms = timeout_ms > 0 ? timeout_ms : 1;
+        rt.jitter_us = jitter_us;
         gridDim = dim3(gx, gy, gz);
         blockDim = dim3(bx, by, bz);
         const int n = static_cast<int>(nthreads);
-        rt.block_threads = n;
         {
             std::lock_guard<std::mutex> pool_lock(rt.pool_mu);
             rt.in_launch = true;
@@ -893,7 +980,9 @@ extern "C" LOWBIT_SIM_EXPORT int lowbit_sim_launch(void (*entry)(void**), void**
                     if (shared_mem) std::memset(rt.smem, kSmemPoisonByte, shared_mem);
                     rt.remaining.store(n, std::memory_order_relaxed);
                     const uint32_t done = rt.done_word.load(std::memory_order_acquire);
-                    rt.start_word.fetch_add(1, std::memory_order_release);
+                    const uint32_t gen = job_gen(rt.job.load(std::memory_order_relaxed)) + 1;
+                    rt.job.store(make_job(gen, n), std::memory_order_release);
+                    rt.start_word.store(gen, std::memory_order_release);
                     word_wake_all(rt.start_word);
                     while (rt.done_word.load(std::memory_order_acquire) == done) {
                         word_wait(rt.done_word, done, std::chrono::seconds(1));

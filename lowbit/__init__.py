@@ -17,9 +17,28 @@ from ._dispatch import BackendUnavailableError, available_backends, use_backend
 from .ops.pack_bits import pack_bits, unpack_bits
 
 # -- formats and matmul (issue 3) --
+from .ops.packed_matmul import LinearCtx, linear_backward, linear_forward, packed_matmul
+from .ops.quantize import (PackedWeight, QuantizedActivation, fake_quantize_activation,
+                           fake_quantize_weight, quantize_activation, quantize_weight)
 # -- saved activations (issue 4) --
+from .ops.saved_activation import (PackedActivation, PackedMask, SavedConfig, pack_activation,
+                                   pack_mask)
 # -- segmented attention (issue 5) --
+from .ops.expand_heads import expand_heads, expand_heads_backward
+from .ops.segmented_attention import (
+    SegmentedAttentionCtx,
+    segmented_attention,
+    segmented_attention_backward,
+    segmented_attention_forward,
+)
 # -- scans (issue 6) --
+from .ops.gated_delta_scan import (GatedDeltaScanCtx, gated_delta_scan,
+                                   gated_delta_scan_backward, gated_delta_scan_forward)
+from .ops.selective_scan import (SelectiveScanCtx, selective_scan, selective_scan_backward,
+                                 selective_scan_forward)
 # -- lowrank residual (issue 7) --
+from ._profile import profile
+from .ops.lowrank_residual import (LowBitPlan, LowrankResidualCtx, lowrank_residual,
+                                   lowrank_residual_backward, lowrank_residual_forward)
 
 __version__ = "0.1.0"

@@ -57,7 +57,11 @@ def save(x, saved=None, *, kind: str = "values") -> Saved:
     Args:
         x: the array to keep for the backward.
         saved: ``None`` (exact), a format string or a ``lowbit.SavedConfig``.
-        kind: ``"values"`` (any sign) or ``"nonneg"`` (post-ReLU; the zero pattern stays exact).
+        kind: ``"values"`` (any sign), ``"nonneg"`` (post-ReLU; the zero pattern stays exact) or
+            ``"mask"`` (a boolean array, packed at 1 bit per element whatever the format).
+
+    Returns:
+        ``Exact`` for ``saved=None``, else a ``PackedActivation`` (``PackedMask`` for masks).
     """
     if saved is None:
         return Exact(x)
@@ -82,6 +86,8 @@ class Ctx:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryRow:
+    """One saved tensor of a ctx: its path in the ctx, shape, format and byte counts."""
+
     name: str
     shape: tuple
     format: str

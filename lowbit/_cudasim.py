@@ -30,10 +30,14 @@ Argument rules (checked before anything runs; ``TypeError`` on a mismatch):
   ``np.int64`` / ``np.float32`` explicitly.
 
 Execution: ``cuda/cudasim.cuh`` runs one OS thread per CUDA thread (stack 256 KiB), the blocks
-one after another; deadlocks and divergent barriers raise ``RuntimeError``. A barrier wait
-that lasts longer than ``timeout`` seconds (default ``$LOWBIT_CUDASIM_TIMEOUT`` or 10) also
-raises, once the thread that keeps the others waiting finishes. A kernel that loops forever
-outside any barrier, crashes or overflows its stack cannot be caught.
+one after another; deadlocks and divergent barriers raise ``RuntimeError``. Every thread of a
+block counts as running from the moment the block is launched until it returns, whether or not
+its OS thread has started yet, so a deadlock is reported exactly (never because a thread was
+slow to start on a loaded machine). A barrier wait during which no thread of the block makes
+progress for ``timeout`` seconds (default ``$LOWBIT_CUDASIM_TIMEOUT`` or 60) also raises, once
+the thread that keeps the others waiting finishes. A kernel that loops forever outside any
+barrier, crashes or overflows its stack cannot be caught. ``$LOWBIT_CUDASIM_JITTER_US``
+(debugging) delays thread start-up and exit at random to shake out races.
 
 Build cache: libraries live in a private per-user folder, ``$LOWBIT_CACHE_DIR/cudasim``, else
 ``$XDG_CACHE_HOME/lowbit/cudasim``, else ``~/.cache/lowbit/cudasim``. The folder is created
@@ -85,7 +89,15 @@ CXX_FLAGS = (
 )
 #: Suffixes of the files under an include dir whose contents enter the cache key.
 HEADER_SUFFIXES = (".cuh", ".h", ".hpp", ".hh", ".inc", ".inl")
-DEFAULT_TIMEOUT_S = 10.0
+#: Barrier wait without any progress of the block before a launch is aborted. Generous: real
+#: deadlocks are detected exactly and at once; this only catches a thread that loops forever
+#: while others wait, and must never fire on a slow, heavily loaded machine.
+DEFAULT_TIMEOUT_S = 60.0
+#: Debugging knob: with ``$LOWBIT_CUDASIM_JITTER_US=N`` every kernel thread sleeps a random
+#: 0..N microseconds when it is handed its CUDA thread and again around its exit, which makes
+#: the thread start-up and hand-off races of a loaded machine likely (tests/test_cudasim.py).
+JITTER_ENV = "LOWBIT_CUDASIM_JITTER_US"
+MAX_JITTER_US = 1_000_000
 #: cupy's default limit on dynamic shared memory without the opt-in attribute.
 DEFAULT_MAX_DYNAMIC_SHARED = 48 * 1024
 #: The largest opt-in dynamic shared memory of current GPUs (sm_90: 227 KiB).
@@ -398,8 +410,8 @@ class SimModule:
         self._kernels: dict[str, SimKernel] = {}
         launch = lib.lowbit_sim_launch
         launch.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)] + \
-            [ctypes.c_uint] * 6 + [ctypes.c_ulonglong, ctypes.c_longlong, ctypes.c_char_p,
-                                   ctypes.c_int]
+            [ctypes.c_uint] * 6 + [ctypes.c_ulonglong, ctypes.c_longlong, ctypes.c_uint,
+                                   ctypes.c_char_p, ctypes.c_int]
         launch.restype = ctypes.c_int
         self._launch = launch
 
@@ -444,6 +456,20 @@ def _dims(value, what: str, limits: tuple[int, int, int]) -> tuple[int, int, int
         if not 1 <= d <= lim:
             raise ValueError(f"{what} dimension {'xyz'[axis]} is {d}; it must lie in [1, {lim}]")
     return dims[0], dims[1], dims[2]
+
+
+def _jitter_us() -> int:
+    text = os.environ.get(JITTER_ENV, "").strip()
+    if not text:
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"${JITTER_ENV} must be an integer number of microseconds, "
+                         f"got {text!r}") from None
+    if not 0 <= value <= MAX_JITTER_US:
+        raise ValueError(f"${JITTER_ENV} must lie in [0, {MAX_JITTER_US}], got {value}")
+    return value
 
 
 class SimKernel:
@@ -542,8 +568,10 @@ class SimKernel:
             block: threads per block, an int or a tuple of up to 3 ints (at most 1024 in all).
             args: tuple of numpy arrays (passed by data pointer) and numpy scalars.
             shared_mem: bytes of dynamic shared memory per block.
-            timeout: seconds a barrier wait may last before the launch is aborted
-                (default ``$LOWBIT_CUDASIM_TIMEOUT`` or 10).
+            timeout: seconds a barrier wait may last without any thread of the block making
+                progress (starting, arriving at a barrier, exiting) before the launch is
+                aborted (default ``$LOWBIT_CUDASIM_TIMEOUT`` or 60). Deadlocks are reported
+                at once regardless; the timeout only catches a thread that loops forever.
 
         Raises:
             TypeError: arguments that do not match the kernel's parameters.
@@ -566,10 +594,11 @@ class SimKernel:
         if timeout is None:
             timeout = float(os.environ.get("LOWBIT_CUDASIM_TIMEOUT", DEFAULT_TIMEOUT_S))
         timeout_ms = max(1, int(timeout * 1000))
+        jitter_us = _jitter_us()
         argv, keep = self._marshal(args)
         err = ctypes.create_string_buffer(_ERRBUF_BYTES)
-        rc = self._module._launch(self._entry, argv, *g, *b, shared_mem, timeout_ms, err,
-                                  _ERRBUF_BYTES)
+        rc = self._module._launch(self._entry, argv, *g, *b, shared_mem, timeout_ms, jitter_us,
+                                  err, _ERRBUF_BYTES)
         del keep
         if rc != 0:
             raise RuntimeError(f"cudasim: kernel {self.name} grid={g} block={b}: "

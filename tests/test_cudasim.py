@@ -50,6 +50,7 @@ NAME_EXPRESSIONS = (
     "divergent_barrier",
     "true_deadlock",
     "slow_thread",
+    "staggered_barrier",
     "trap_kernel",
     "assert_kernel",
 )
@@ -406,6 +407,67 @@ def test_barrier_timeout(mod, rng):
         mod.get_function("slow_thread")(1, 32, (out, spin_ns), timeout=0.1)
     assert time.perf_counter() - start < BOUNDED_S
     test_block_reduce_shuffle_and_shared(mod, rng, 3, 96)
+
+
+def test_slow_but_progressing_block_does_not_time_out(mod):
+    # Arrivals 0.5 s apart for 2.5 s in all: the first waiter waits longer than the timeout,
+    # but the block keeps moving, which is a loaded machine, not a stuck thread.
+    out = np.zeros(6, np.int32)
+    mod.get_function("staggered_barrier")(1, 6, (out, np.uint32(500_000_000)), timeout=2.0)
+    np.testing.assert_array_equal(out, 1)
+
+
+def test_default_timeout_is_generous():
+    assert _cudasim.DEFAULT_TIMEOUT_S >= 60
+
+
+# ------------------------------------------------------------------------------------------
+# Thread start-up and hand-off on a loaded machine
+# ------------------------------------------------------------------------------------------
+
+#: Launches whose block sizes alternate small and large in one module: the workers idle in a
+#: small launch are needed again in the next large one.
+_LATE_START_LAUNCHES = ((1, 32), (2, 1024), (3, 64), (1, 512), (2, 256), (1, 1024))
+
+
+def test_late_starting_threads_never_cause_false_deadlocks(mod, rng, monkeypatch):
+    """Regression: under heavy load, shuffles reported bogus deadlocks ("all 1 running threads
+    wait ... lanes 0x00004000 in __shfl_xor_sync ... waiting for lanes 0x00000000").
+
+    A pool worker that saw a block's start signal but was descheduled before it read the
+    block's thread count could act on the count of the *next* launch, run its CUDA thread
+    there, and then run it a second time in the same block; the second run corrupted the
+    count of running threads. The jitter knob makes every thread sleep at random when it is
+    handed its block and around its exit, which opened that window within a few launches with
+    the old worker loop (16 of 20 runs of this test failed, most in the first round).
+    """
+    monkeypatch.setenv(_cudasim.JITTER_ENV, "200")
+    kernel = mod.get_function("block_reduce_sum")
+    for _ in range(6):
+        for blocks, threads in _LATE_START_LAUNCHES:
+            x = rng.standard_normal(blocks * threads).astype(np.float32)
+            partial = np.full(blocks, np.nan, np.float32)
+            kernel(blocks, threads, (x, partial, np.int32(x.size)))
+            expected = x.reshape(blocks, threads).astype(np.float64).sum(axis=1)
+            np.testing.assert_allclose(partial, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_late_starting_threads_still_report_real_deadlocks(mod, monkeypatch):
+    monkeypatch.setenv(_cudasim.JITTER_ENV, "200")
+    out = np.zeros(64, np.int32)
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match=r"deadlock.*barriers"):
+            mod.get_function("true_deadlock")(2, 64, (out,))
+        with pytest.raises(RuntimeError, match=r"divergent __syncthreads\(\)"):
+            mod.get_function("divergent_barrier")(2, 64, (out,))
+
+
+def test_jitter_knob_is_validated(mod, monkeypatch):
+    out = np.zeros(32, np.int32)
+    for bad in ("fast", "-1", str(_cudasim.MAX_JITTER_US + 1)):
+        monkeypatch.setenv(_cudasim.JITTER_ENV, bad)
+        with pytest.raises(ValueError, match=_cudasim.JITTER_ENV):
+            mod.get_function("trap_kernel")(1, 32, (out,))
 
 
 def test_trap(mod):

@@ -273,6 +273,15 @@ extern "C" __global__ void slow_thread(int* __restrict__ out, long long spin) { 
     out[threadIdx.x] = 1;
 }
 
+// Thread t sleeps t * step_ns before the barrier: the block arrives slowly but keeps making
+// progress, as on a heavily loaded machine.
+extern "C" __global__ void staggered_barrier(int* __restrict__ out,  // [blockDim.x]
+                                             unsigned step_ns) {
+    for (unsigned i = 0; i < threadIdx.x; ++i) __nanosleep(step_ns);
+    __syncthreads();
+    out[threadIdx.x] = 1;
+}
+
 extern "C" __global__ void trap_kernel(int* __restrict__ out) {  // [blockDim.x]
     if (threadIdx.x == 3) __trap();
     out[threadIdx.x] = 1;

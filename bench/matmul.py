@@ -1,0 +1,197 @@
+"""Suite ``matmul``: packed ternary/sign/int8 matmul against float matmul and a copy roofline.
+
+Op: ``lowbit/ops/packed_matmul`` (formats in ``lowbit/ops/quantize``); reference:
+``reference/packed_matmul.py``. Rows (CPU):
+
+- GEMV, one row, K = N = 4096: NumPy float32 ``x @ W`` (baseline), the packed GEMV (target 5x),
+  the same call against a NumPy copy of the packed bytes (target 0.5: at least half the copy
+  roofline; the ratio is copy time over GEMV time for the same number of bytes, and both GB/s
+  columns count those bytes once, the copy's writes not included), and the two Numba GEMV
+  variants (plane decode, lookup table) side by side;
+- GEMM, M = 256: NumPy float32 matmul (baseline), packed GEMM (target 1.0), with the weight bytes
+  of both;
+- the straight-through linear layer's backward against its NumPy float32 equivalent;
+- torch float32 / bfloat16 matmul on the same shapes when torch is installed.
+
+With ``--gpu`` the same shapes run on cupy arrays against cupy float16 matmul (GEMM at M = 4096).
+Thread counts are printed with the table; every side runs with the same ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+import lowbit
+from lowbit.reference.packed_matmul import packed_matmul_ref
+
+from ._harness import Case, Config
+
+SUITE = "matmul"
+
+
+def _host(x):
+    return x if isinstance(x, np.ndarray) else x.get()
+
+
+def _maybe(backend):
+    return lowbit.use_backend(backend) if backend else contextlib.nullcontext()
+
+
+def _check_small(xp, backend, format, act_format, rows):
+    """The same path on a small shape against the float64 reference."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((rows, 75)).astype(np.float32)
+    w = rng.standard_normal((75, 45)).astype(np.float32)
+    with _maybe(backend):
+        pw = lowbit.quantize_weight(xp.asarray(w), format)
+        y = lowbit.packed_matmul(xp.asarray(x), pw, act_format)
+    ref = packed_matmul_ref(x, _host(pw.data), _host(pw.scale), format, 75, act_format)
+    if act_format is None:
+        np.testing.assert_allclose(_host(y), ref, rtol=1e-4, atol=1e-4)
+    else:
+        np.testing.assert_array_equal(_host(y), ref)
+
+
+def _check_exact(xp, backend, x, pw, y):
+    """Int8-activation result of a large shape: exact integer sums in float64 BLAS, then scales."""
+    q = lowbit.quantize_activation(x)
+    codes_w = _host(pw.codes()).astype(np.float64)
+    acc = _host(q.codes).astype(np.float64) @ codes_w  # integers below 2^53: exact
+    ref = (acc.astype(np.float32) * _host(q.scale)[:, None]) * _host(pw.scale)
+    np.testing.assert_array_equal(_host(y), ref)
+
+
+def _torch_cases(x, w, prefix, baseline):
+    try:
+        import torch
+    except ImportError:
+        return
+    tx, tw = torch.from_numpy(x), torch.from_numpy(w)
+    bx, bw = tx.to(torch.bfloat16), tw.to(torch.bfloat16)
+    info = {"threads": torch.get_num_threads()}
+    yield Case(SUITE, f"{prefix} torch f32", fn=lambda: tx @ tw, baseline=baseline, info=info)
+    yield Case(SUITE, f"{prefix} torch bf16", fn=lambda: bx @ bw, baseline=baseline, info=info)
+
+
+def cases(config: Config):
+    if config.gpu:
+        yield from _gpu_cases(config)
+        return
+    backend = config.backend
+    label = backend or "auto"
+    K = N = 1024 if config.quick else 4096
+    M = 64 if config.quick else 256
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    x1 = rng.standard_normal((1, K)).astype(np.float32)
+    xm = rng.standard_normal((M, K)).astype(np.float32)
+    with _maybe(backend):
+        packed = {f: lowbit.quantize_weight(w, f) for f in ("ternary", "sign", "int8")}
+    pw = packed["ternary"]
+
+    def run(fn):
+        def timed():
+            with _maybe(backend):
+                return fn()
+        return timed
+
+    # GEMV ------------------------------------------------------------------------------------
+    src = np.random.default_rng(2).integers(0, 256, pw.data.nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    yield Case(SUITE, "copy packed bytes", fn=lambda: np.copyto(dst, src), nbytes=src.nbytes,
+               info={"shape": f"{src.nbytes:,} B"})
+    yield Case(SUITE, "gemv numpy f32", fn=lambda: x1 @ w, nbytes=w.nbytes,
+               flops=2.0 * K * N, info={"shape": f"1x{K}x{N}", "weight B": w.nbytes})
+    for fmt in ("ternary", "sign", "int8"):
+        p = packed[fmt]
+        fn = run(lambda p=p: lowbit.packed_matmul(x1, p, "int8"))
+
+        def check(p=p, fn=fn, fmt=fmt):
+            _check_small(np, backend, fmt, "int8", 1)
+            _check_exact(np, backend, x1, p, fn())
+
+        info = {"shape": f"1x{K}x{N}", "format": f"{fmt}/int8", "weight B": p.nbytes}
+        yield Case(SUITE, f"gemv {fmt} {label}", fn=fn, check=check, baseline="gemv numpy f32",
+                   target=5.0 if fmt == "ternary" else None, nbytes=p.nbytes,
+                   flops=2.0 * K * N, info=info)
+        if fmt == "ternary":
+            yield Case(SUITE, f"gemv {fmt} {label} vs copy", fn=fn, baseline="copy packed bytes",
+                       target=0.5, nbytes=p.nbytes, info=info)
+    if backend in (None, "numba"):
+        from lowbit.ops.packed_matmul import _numba
+        codes = lowbit.quantize_activation(x1).codes
+        yield Case(SUITE, "gemv kernel plane-decode", fn=lambda: _numba._gemv_acc(
+            codes, pw.data, "ternary"), baseline="copy packed bytes", nbytes=pw.data.nbytes,
+            info={"format": "ternary/int8"})
+        yield Case(SUITE, "gemv kernel lookup-table", fn=lambda: _numba.gemv_lut(
+            codes, pw.data, K), baseline="copy packed bytes", nbytes=pw.data.nbytes,
+            check=lambda: np.testing.assert_array_equal(
+                _numba.gemv_lut(codes, pw.data, K), _numba._gemv_acc(codes, pw.data, "ternary")),
+            info={"format": "ternary/int8"})
+    yield from _torch_cases(x1, w, "gemv", "gemv numpy f32")
+
+    # GEMM ------------------------------------------------------------------------------------
+    yield Case(SUITE, "gemm numpy f32", fn=lambda: xm @ w, flops=2.0 * M * K * N,
+               info={"shape": f"{M}x{K}x{N}", "weight B": w.nbytes})
+    for fmt, act in (("ternary", "int8"), ("sign", "int8"), ("int8", "int8"), ("ternary", None)):
+        p = packed[fmt]
+        fn = run(lambda p=p, act=act: lowbit.packed_matmul(xm, p, act))
+
+        def check(p=p, fn=fn, fmt=fmt, act=act):
+            _check_small(np, backend, fmt, act, 33)
+            if act is not None:
+                _check_exact(np, backend, xm, p, fn())
+
+        yield Case(SUITE, f"gemm {fmt}/{act} {label}", fn=fn, check=check,
+                   baseline="gemm numpy f32", target=1.0 if (fmt, act) == ("ternary", "int8")
+                   else None, flops=2.0 * M * K * N,
+                   info={"shape": f"{M}x{K}x{N}", "format": f"{fmt}/{act}", "weight B": p.nbytes,
+                         "weight saving": round(w.nbytes / p.nbytes, 1)})
+    yield from _torch_cases(xm, w, "gemm", "gemm numpy f32")
+
+    # straight-through backward ---------------------------------------------------------------
+    dy = rng.standard_normal((M, N)).astype(np.float32)
+    yield Case(SUITE, "linear bwd numpy f32", fn=lambda: (dy @ w.T, xm.T @ dy),
+               flops=4.0 * M * K * N, info={"shape": f"{M}x{K}x{N}"})
+    with _maybe(backend):
+        _, ctx = lowbit.linear_forward(xm, w, "ternary", "int8")
+    yield Case(SUITE, f"linear bwd ternary/int8 {label}",
+               fn=run(lambda: lowbit.linear_backward(dy, ctx)), baseline="linear bwd numpy f32",
+               flops=4.0 * M * K * N,
+               info={"shape": f"{M}x{K}x{N}", "ctx B": ctx.nbytes, "ctx fp32 B": ctx.dense_nbytes})
+
+
+def _gpu_cases(config: Config):
+    import cupy as cp
+
+    backend = config.backend or "cuda"
+    K = N = 1024 if config.quick else 4096
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    w16 = cp.asarray(w, dtype=cp.float16)
+    with lowbit.use_backend(backend):
+        pw = lowbit.quantize_weight(cp.asarray(w), "ternary")
+    src = cp.zeros(pw.data.nbytes, dtype=cp.uint8)
+    dst = cp.empty_like(src)
+    yield Case(SUITE, "gpu copy packed bytes", fn=lambda: cp.copyto(dst, src),
+               nbytes=2 * src.nbytes, info={"shape": f"{src.nbytes:,} B"})
+    for M in (1, 256 if config.quick else 4096):
+        x = cp.asarray(rng.standard_normal((M, K)).astype(np.float32))
+        x16 = x.astype(cp.float16)
+        kind = "gemv" if M == 1 else "gemm"
+        yield Case(SUITE, f"{kind} cupy f16", fn=lambda x16=x16: x16 @ w16,
+                   flops=2.0 * M * K * N, nbytes=w16.nbytes, info={"shape": f"{M}x{K}x{N}"})
+
+        def fn(x=x):
+            with lowbit.use_backend(backend):
+                return lowbit.packed_matmul(x, pw, "int8")
+
+        def check(x=x, fn=fn):
+            _check_small(cp, backend, "ternary", "int8", 1 if M == 1 else 33)
+            _check_exact(cp, backend, x, pw, fn())
+
+        yield Case(SUITE, f"{kind} ternary/int8 {backend}", fn=fn, check=check,
+                   baseline=f"{kind} cupy f16", flops=2.0 * M * K * N, nbytes=pw.nbytes,
+                   info={"shape": f"{M}x{K}x{N}", "weight B": pw.nbytes})

@@ -1,0 +1,90 @@
+"""Launchers for ``cuda/gated_delta_scan.cu`` (backends cuda and cudasim).
+
+Siblings: ``_numpy.py``, ``_numba.py`` (same signatures); reference
+``reference/gated_delta_scan.py``. One warp per (batch, head, slice of 32 columns of V); the
+backward's per-slice partial sums of dq, dk, dlog_decay and dbeta are added here in slice order.
+"""
+
+import numpy as np
+
+from ... import _backend, _kernels
+
+SOURCE = "gated_delta_scan.cu"
+NAME_EXPRESSIONS = tuple(f"gated_delta_{kind}<{ctype}>" for kind in ("fwd", "bwd")
+                         for ctype in ("float", "double"))
+#: Lanes per block (one warp) = columns of V per slice; must match kLanes in the kernel.
+LANES = 32
+_CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+#: Dynamic shared memory a block may use without an opt-in attribute on every CUDA GPU.
+MAX_SHARED_BYTES = 48 * 1024
+
+
+def _shared(nbytes, what):
+    """Check a block's state buffer fits in shared memory; return its size."""
+    if nbytes > MAX_SHARED_BYTES:
+        raise ValueError(f"{what} needs {nbytes} bytes of shared memory per block, more than the "
+                         f"{MAX_SHARED_BYTES} the CUDA kernel may use; use a smaller state or "
+                         "the numba backend")
+    return nbytes
+
+
+def _kernel(name, like):
+    expression = f"gated_delta_{name}<{_CTYPE[like.dtype]}>"
+    return _kernels.module(SOURCE, NAME_EXPRESSIONS, like).get_function(expression)
+
+
+def _dims(q, v, log_decay, chunk_size):
+    nb, nt, nh, nk = q.shape
+    nchunks = -(-nt // chunk_size)
+    return (np.int64(nt), np.int32(nh), np.int32(nk), np.int32(v.shape[3]),
+            np.int32(log_decay.shape[3]), np.int32(chunk_size), np.int32(nchunks))
+
+
+def gated_delta_scan_forward(q, k, v, log_decay, beta, initial_state, chunk_size,
+                             keep_checkpoints):
+    """Same contract as ``_numpy.gated_delta_scan_forward``."""
+    xp = _backend.array_module(q)
+    nb, nt, nh, nk = q.shape
+    nv = v.shape[3]
+    out = _backend.empty((nb, nt, nh, nv), q.dtype, xp)
+    final = _backend.empty((nb, nh, nk, nv), q.dtype, xp)
+    nchunks = -(-nt // chunk_size) if keep_checkpoints else 0
+    checkpoints = _backend.empty((nb, nh, nchunks, nk, nv), q.dtype, xp)
+    if nb * nh and nv:
+        _kernel("fwd", q)((nb * nh, -(-nv // LANES)), (LANES,),
+                          (q, k, v, log_decay, beta, initial_state, out, final, checkpoints,
+                           *_dims(q, v, log_decay, chunk_size), np.int32(keep_checkpoints)),
+                          shared_mem=_shared(nk * LANES * q.itemsize, f"K={nk} ({q.dtype})"))
+    return out, final, (checkpoints if keep_checkpoints else None)
+
+
+def _sum_slices(xp, partial):
+    if partial.shape[0] == 1:
+        return partial[0]
+    out = _backend.empty(partial.shape[1:], partial.dtype, xp)
+    xp.sum(partial, axis=0, out=out)
+    return out
+
+
+def gated_delta_scan_backward(q, k, v, log_decay, beta, checkpoints, dout, dstate, chunk_size):
+    """Same contract as ``_numpy.gated_delta_scan_backward``."""
+    xp = _backend.array_module(q)
+    nb, nt, nh, nk = q.shape
+    nv = v.shape[3]
+    slices = max(1, -(-nv // LANES))
+    dq = _backend.empty((slices,) + q.shape, q.dtype, xp)
+    dk = _backend.empty((slices,) + k.shape, q.dtype, xp)
+    dlog = _backend.empty((slices,) + log_decay.shape, q.dtype, xp)
+    dbeta = _backend.empty((slices,) + beta.shape, q.dtype, xp)
+    dv = _backend.empty(v.shape, q.dtype, xp)
+    dinit = _backend.empty((nb, nh, nk, nv), q.dtype, xp)
+    # The states entering each token of the chunk being swept, per (batch, head).
+    scratch = _backend.empty((nb, nh, min(chunk_size, max(nt, 1)), nk, nv), q.dtype, xp)
+    if nb * nh and nv:
+        _kernel("bwd", q)((nb * nh, slices), (LANES,),
+                          (q, k, v, log_decay, beta, checkpoints, dout, dstate, scratch,
+                           dq, dk, dv, dlog, dbeta, dinit, *_dims(q, v, log_decay, chunk_size)),
+                          shared_mem=_shared(2 * nk * LANES * q.itemsize,
+                                             f"the backward at K={nk} ({q.dtype})"))
+    return (_sum_slices(xp, dq), _sum_slices(xp, dk), dv, _sum_slices(xp, dlog),
+            _sum_slices(xp, dbeta), dinit)

@@ -1,0 +1,95 @@
+"""Launchers for ``cuda/lowrank_residual.cu`` (backends cuda and cudasim).
+
+Siblings: ``__init__.py``, ``_numpy.py``, ``_numba.py``; reference
+``reference/lowrank_residual.py``.
+"""
+
+import numpy as np
+
+from ... import _backend, _kernels
+
+SOURCE = "lowrank_residual.cu"
+NAME_EXPRESSIONS = ("causal_linear_fwd", "causal_linear_bwd", "layer_norm_fwd", "layer_norm_bwd")
+#: Threads per block (a multiple of the warp size).
+THREADS = 128
+WARP_SIZE = 32
+#: Rows per layer-norm block (one warp each).
+LN_ROWS = THREADS // WARP_SIZE
+#: Keys per shared-memory score tile (kTile in the .cu file).
+TILE = 32
+FLOAT_BYTES = 4
+
+
+def _kernel(name, like):
+    return _kernels.module(SOURCE, NAME_EXPRESSIONS, like).get_function(name)
+
+
+def _segment_bounds(starts, T, xp):
+    """Per token, the start and the end of its segment: two [T] int64 arrays."""
+    host = starts.get() if _backend.is_cupy_array(starts) else np.asarray(starts)
+    lengths = np.diff(host)
+    lo = np.repeat(host[:-1], lengths).astype(np.int64)
+    hi = np.repeat(host[1:], lengths).astype(np.int64)
+    return xp.asarray(lo), xp.asarray(hi)
+
+
+def causal_linear_forward(x, v, starts, cos, sin):
+    """x [B, T, N], v [B, T, D] float32 -> [B, T, D] float32 (see ``_numpy``)."""
+    xp = _backend.array_module(x)
+    B, T, N = x.shape
+    D = v.shape[2]
+    x, v = xp.ascontiguousarray(x), xp.ascontiguousarray(v)
+    lo, _ = _segment_bounds(starts, T, xp)
+    out = _backend.empty((B, T, D), np.float32, xp)
+    _kernel("causal_linear_fwd", x)(
+        (T, B), (THREADS,),
+        (x, v, xp.ascontiguousarray(cos), xp.ascontiguousarray(sin), lo, out, np.int64(T),
+         np.int64(N), np.int64(D)),
+        shared_mem=(N + D + TILE) * FLOAT_BYTES)
+    return out
+
+
+def causal_linear_backward(da, x, v, starts, cos, sin):
+    """Gradients ``(dx, dv)`` float32 of ``causal_linear_forward`` (see ``_numpy``)."""
+    xp = _backend.array_module(x)
+    B, T, N = x.shape
+    D = v.shape[2]
+    da, x, v = (xp.ascontiguousarray(a) for a in (da, x, v))
+    lo, hi = _segment_bounds(starts, T, xp)
+    dx = _backend.empty((B, T, N), np.float32, xp)
+    dv = _backend.empty((B, T, D), np.float32, xp)
+    _kernel("causal_linear_bwd", x)(
+        (T, B), (THREADS,),
+        (da, x, v, xp.ascontiguousarray(cos), xp.ascontiguousarray(sin), lo, hi, dx, dv,
+         np.int64(T), np.int64(N), np.int64(D)),
+        shared_mem=(2 * N + 3 * D + 2 * TILE) * FLOAT_BYTES)
+    return dx, dv
+
+
+def layer_norm_forward(x):
+    """x [..., D] float32 -> ``(y, mean, rstd)`` (see ``_numpy``)."""
+    xp = _backend.array_module(x)
+    D = x.shape[-1]
+    rows = x.size // D
+    y = _backend.empty(x.shape, np.float32, xp)
+    mean = _backend.empty(x.shape[:-1], np.float32, xp)
+    rstd = _backend.empty(x.shape[:-1], np.float32, xp)
+    if rows:
+        _kernel("layer_norm_fwd", x)((-(-rows // LN_ROWS),), (THREADS,),
+                                     (xp.ascontiguousarray(x), y, mean, rstd, np.int64(rows),
+                                      np.int64(D)))
+    return y, mean, rstd
+
+
+def layer_norm_backward(dy, y, rstd):
+    """Input gradient [..., D] float32 of LN (see ``_numpy``)."""
+    xp = _backend.array_module(dy)
+    D = dy.shape[-1]
+    rows = dy.size // D
+    dx = _backend.empty(dy.shape, np.float32, xp)
+    if rows:
+        _kernel("layer_norm_bwd", dy)(
+            (-(-rows // LN_ROWS),), (THREADS,),
+            (xp.ascontiguousarray(dy), xp.ascontiguousarray(y), xp.ascontiguousarray(rstd), dx,
+             np.int64(rows), np.int64(D)))
+    return dx

@@ -1,0 +1,195 @@
+"""Numba pieces of the low-rank residual layer: chunked causal-linear attention and layer norms.
+
+The attention walks (batch row, segment) pairs and, inside a segment, chunks of CHUNK tokens with
+BLAS products (``np.dot``) and an ``[N, D]`` state, so nothing of size ``T x T`` is ever
+allocated. Those loops are serial on purpose: the products are BLAS calls that use every core
+themselves, and a ``prange`` around them would oversubscribe the cores. The layer norms run in
+parallel over rows. Siblings: ``__init__.py``, ``_numpy.py``, ``_cuda.py``;
+reference ``reference/lowrank_residual.py``.
+"""
+
+import numba
+import numpy as np
+
+from ... import _backend
+
+#: Tokens per chunk (intra-chunk scores are CHUNK x CHUNK).
+CHUNK = 64
+#: Layer-norm epsilon (added to the biased variance).
+LN_EPS = 1e-5
+
+
+@numba.njit(cache=True)
+def _rope_rows(x, b, t0, t1, cos, sin, sign, out):
+    """out[t - t0] = rope(x[b, t]) for t in [t0, t1) (sign -1: inverse rotation)."""
+    half = cos.shape[1]
+    n = x.shape[2]
+    for t in range(t0, t1):
+        for j in range(half):
+            c = cos[t, j]
+            s = sign * sin[t, j]
+            e = x[b, t, 2 * j]
+            o = x[b, t, 2 * j + 1]
+            out[t - t0, 2 * j] = e * c - o * s
+            out[t - t0, 2 * j + 1] = o * c + e * s
+        if n % 2:
+            out[t - t0, n - 1] = x[b, t, n - 1]
+
+
+@numba.njit(cache=True)
+def _mask_strict_lower(m):
+    for i in range(m.shape[0]):
+        for j in range(i, m.shape[1]):
+            m[i, j] = 0.0
+
+
+@numba.njit(cache=True)
+def _forward(x, v, starts, cos, sin, out):
+    B, T, N = x.shape
+    D = v.shape[2]
+    nseg = starts.shape[0] - 1
+    for job in range(B * nseg):
+        b = job // nseg
+        s0 = starts[job % nseg]
+        s1 = starts[job % nseg + 1]
+        state = np.zeros((N, D), dtype=np.float32)
+        qc = np.empty((CHUNK, N), dtype=np.float32)
+        for c0 in range(s0, s1, CHUNK):
+            c1 = min(c0 + CHUNK, s1)
+            m = c1 - c0
+            q = qc[:m]
+            _rope_rows(x, b, c0, c1, cos, sin, np.float32(1.0), q)
+            vc = np.ascontiguousarray(v[b, c0:c1])
+            scores = np.dot(q, q.T)
+            _mask_strict_lower(scores)
+            res = np.dot(scores, vc)
+            if c0 > s0:
+                res += np.dot(q, state)
+            out[b, c0:c1] = res
+            if c1 < s1:
+                state += np.dot(q.T, vc)
+
+
+@numba.njit(cache=True)
+def _backward(da, x, v, starts, cos, sin, dx, dv):
+    B, T, N = x.shape
+    D = v.shape[2]
+    nseg = starts.shape[0] - 1
+    for job in range(B * nseg):
+        b = job // nseg
+        s0 = starts[job % nseg]
+        s1 = starts[job % nseg + 1]
+        length = s1 - s0
+        q = np.empty((length, N), dtype=np.float32)
+        _rope_rows(x, b, s0, s1, cos, sin, np.float32(1.0), q)
+        dq = np.empty((length, N), dtype=np.float32)
+        state = np.zeros((N, D), dtype=np.float32)
+        for c0 in range(s0, s1, CHUNK):
+            c1 = min(c0 + CHUNK, s1)
+            qc = q[c0 - s0:c1 - s0]
+            vc = np.ascontiguousarray(v[b, c0:c1])
+            dac = np.ascontiguousarray(da[b, c0:c1])
+            dp = np.dot(dac, vc.T)
+            _mask_strict_lower(dp)
+            p = np.dot(qc, qc.T)
+            _mask_strict_lower(p)
+            g = np.dot(dp, qc) + np.dot(dp.T, qc)
+            if c0 > s0:
+                g += np.dot(dac, state.T)
+            dq[c0 - s0:c1 - s0] = g
+            dv[b, c0:c1] = np.dot(p.T, dac)
+            if c1 < s1:
+                state += np.dot(qc.T, vc)
+        nchunks = (length + CHUNK - 1) // CHUNK
+        rstate = np.zeros((N, D), dtype=np.float32)
+        for k in range(nchunks - 1, -1, -1):
+            c0 = s0 + k * CHUNK
+            c1 = min(c0 + CHUNK, s1)
+            qc = q[c0 - s0:c1 - s0]
+            if c1 < s1:
+                vc = np.ascontiguousarray(v[b, c0:c1])
+                dq[c0 - s0:c1 - s0] += np.dot(vc, rstate.T)
+                dv[b, c0:c1] += np.dot(qc, rstate)
+            if c0 > s0:
+                rstate += np.dot(qc.T, np.ascontiguousarray(da[b, c0:c1]))
+        half = cos.shape[1]
+        for t in range(s0, s1):
+            for j in range(half):
+                c = cos[t, j]
+                s = sin[t, j]
+                e = dq[t - s0, 2 * j]
+                o = dq[t - s0, 2 * j + 1]
+                dx[b, t, 2 * j] = e * c + o * s
+                dx[b, t, 2 * j + 1] = o * c - e * s
+            if N % 2:
+                dx[b, t, N - 1] = dq[t - s0, N - 1]
+
+
+def causal_linear_forward(x, v, starts, cos, sin):
+    """See ``_numpy.causal_linear_forward``: x [B, T, N], v [B, T, D] -> [B, T, D] float32."""
+    out = _backend.empty(v.shape, np.float32)
+    _forward(np.ascontiguousarray(x), np.ascontiguousarray(v), starts, cos, sin, out)
+    return out
+
+
+def causal_linear_backward(da, x, v, starts, cos, sin):
+    """See ``_numpy.causal_linear_backward``: returns ``(dx, dv)`` float32."""
+    dx = _backend.empty(x.shape, np.float32)
+    dv = _backend.empty(v.shape, np.float32)
+    _backward(np.ascontiguousarray(da), np.ascontiguousarray(x), np.ascontiguousarray(v), starts,
+              cos, sin, dx, dv)
+    return dx, dv
+
+
+@numba.njit(parallel=True, cache=True)
+def _ln_forward(x, y, mean, rstd):
+    rows, D = x.shape
+    for r in numba.prange(rows):
+        m = 0.0
+        for i in range(D):
+            m += x[r, i]
+        m /= D
+        var = 0.0
+        for i in range(D):
+            d = x[r, i] - m
+            var += d * d
+        inv = 1.0 / np.sqrt(var / D + LN_EPS)
+        for i in range(D):
+            y[r, i] = (x[r, i] - m) * inv
+        mean[r] = m
+        rstd[r] = inv
+
+
+@numba.njit(parallel=True, cache=True)
+def _ln_backward(dy, y, rstd, dx):
+    rows, D = dy.shape
+    for r in numba.prange(rows):
+        s1 = 0.0
+        s2 = 0.0
+        for i in range(D):
+            s1 += dy[r, i]
+            s2 += dy[r, i] * y[r, i]
+        s1 /= D
+        s2 /= D
+        for i in range(D):
+            dx[r, i] = rstd[r] * (dy[r, i] - s1 - y[r, i] * s2)
+
+
+def layer_norm_forward(x):
+    """See ``_numpy.layer_norm_forward``: x [..., D] -> (y, mean, rstd) float32."""
+    D = x.shape[-1]
+    y = _backend.empty(x.shape, np.float32)
+    mean = _backend.empty(x.shape[:-1], np.float32)
+    rstd = _backend.empty(x.shape[:-1], np.float32)
+    _ln_forward(np.ascontiguousarray(x).reshape(-1, D), y.reshape(-1, D), mean.reshape(-1),
+                rstd.reshape(-1))
+    return y, mean, rstd
+
+
+def layer_norm_backward(dy, y, rstd):
+    """See ``_numpy.layer_norm_backward``: input gradient [..., D] float32."""
+    D = dy.shape[-1]
+    dx = _backend.empty(dy.shape, np.float32)
+    _ln_backward(np.ascontiguousarray(dy).reshape(-1, D), np.ascontiguousarray(y).reshape(-1, D),
+                 np.ascontiguousarray(rstd).reshape(-1), dx.reshape(-1, D))
+    return dx

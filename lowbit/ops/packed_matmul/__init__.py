@@ -1,0 +1,199 @@
+"""Packed low-bit matmul and the straight-through (BitNet-style) linear layer.
+
+``packed_matmul(x, pw, act_format)`` multiplies activations by a ``lowbit.PackedWeight``;
+``linear_forward`` / ``linear_backward`` train through quantization with a straight-through
+estimator. Backends: ``_numpy.py``, ``_numba.py``, ``_cuda.py`` (kernels in
+``cuda/packed_matmul.cu``); formats in ``lowbit/ops/quantize``; reference
+``reference/packed_matmul.py``; tests ``tests/test_packed_matmul.py``; benchmark
+``bench/matmul.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ... import _backend, _ctx, _dispatch, _validate
+from ..quantize import (PackedWeight, _rows, _weight_input, act_format as _act_format,
+                        quantize_rows, quantize_weight, weight_format as _weight_format)
+
+
+def _optional_act(format):
+    return None if format is None else _act_format(format)
+
+
+def _packed(pw):
+    if not isinstance(pw, PackedWeight):
+        raise TypeError(f"pw must be a lowbit.PackedWeight (from lowbit.quantize_weight), "
+                        f"got {type(pw).__name__}")
+    return pw
+
+
+def _matching_k(x, K, xname, wname):
+    if x.shape[-1] != K:
+        raise ValueError(f"{xname} has K = {x.shape[-1]} in its last axis but {wname} has "
+                         f"K = {K} rows (shape (K, N)); they must agree")
+
+
+def _float32_rows(x):
+    xp = _backend.array_module(x)
+    return xp.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=np.float32)
+
+
+def packed_matmul(x, pw, act_format="int8"):
+    """``y = Qa(x) @ W`` with ``W`` the dequantized packed weight.
+
+    Args:
+        x: [..., K] float32 or float64 (numpy or cupy, the kind of ``pw.data``).
+        pw: ``lowbit.PackedWeight`` of shape (K, N).
+        act_format: "int8"/"int4": the rows of ``x`` are quantized
+            (``lowbit.quantize_activation``), ``acc = codes_x @ codes_w`` is exact in int32 and
+            ``y = acc * scale_x[..., None] * scale_w`` in float32; None: ``y = (x @ codes_w) *
+            scale_w`` with float32 accumulation.
+
+    Returns:
+        [..., N] float32.
+
+    Raises:
+        TypeError: ``x`` not a float array, ``pw`` not a PackedWeight, numpy/cupy mixed.
+        ValueError: ``x`` 0-d, K mismatch, unknown ``act_format``, non-finite ``x``.
+    """
+    x = _rows(x, "x")
+    pw = _packed(pw)
+    act = _optional_act(act_format)
+    _matching_k(x, pw.shape[0], "x", "pw")
+    _backend.array_kind(x, pw.data)
+    y, _, _ = _forward(x, pw, act)
+    return y.reshape(x.shape[:-1] + (pw.shape[1],))
+
+
+def _forward(x, pw, act):
+    """y [M, N] float32 for validated inputs; also the activation codes and scales, if any."""
+    K = pw.shape[0]
+    if act is not None:
+        codes, scale = quantize_rows(x, act)
+        codes, scale = codes.reshape(-1, K), scale.reshape(-1)
+        _, impl = _dispatch.resolve("packed_matmul", codes, pw.data)
+        return impl.matmul_int(codes, scale, pw.data, pw.scale, pw.format, K), codes, scale
+    _validate.all_finite(x, "x")
+    rows = _float32_rows(x)
+    _, impl = _dispatch.resolve("packed_matmul", rows, pw.data)
+    return impl.matmul_float(rows, pw.data, pw.scale, pw.format, K), None, None
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCtx(_ctx.Ctx):
+    """What ``linear_backward`` needs from ``linear_forward``.
+
+    Attributes:
+        weight_format, act_format: the formats of the forward (either may be None).
+        x_shape: shape of the forward input ``x`` [..., K].
+        weight: the float master weight [K, N] as float32 (a parameter: not counted).
+        packed: its ``PackedWeight`` (None when ``weight_format`` is None; not counted).
+        act_codes, act_scale: with an activation format, the int8 codes [M, K] and float32 row
+            scales [M] the forward used, saved exactly.
+        act: without one, the float32 input [M, K], saved through the ``saved`` policy.
+    """
+
+    weight_format: str | None
+    act_format: str | None
+    x_shape: tuple
+    weight: object
+    packed: PackedWeight | None
+    act_codes: _ctx.Saved | None
+    act_scale: _ctx.Saved | None
+    act: _ctx.Saved | None
+
+
+def linear_forward(x, w, weight_format, act_format="int8", *, saved=None):
+    """Forward of a quantization-aware linear layer: ``y = Qa(x) @ Qw(w)``.
+
+    Q quantizes then dequantizes (``None``: no quantization on that side); the product runs in the
+    packed kernels of ``packed_matmul``.
+
+    Args:
+        x: [..., K] float32 or float64.
+        w: [K, N] float32 or float64 master weight.
+        weight_format: "ternary", "sign", "int8" or None.
+        act_format: "int8", "int4" or None.
+        saved: how the float input is saved when ``act_format`` is None (None: exact; a format
+            or ``lowbit.SavedConfig``: through the saved-activation packer). With an activation
+            format the int8 codes and row scales are saved exactly (a quarter of fp32).
+
+    Returns:
+        ``(y, ctx)``: y [..., N] float32 and a ``LinearCtx``.
+
+    Raises:
+        TypeError / ValueError: bad arrays, formats or non-finite input, naming the argument.
+    """
+    x = _rows(x, "x")
+    w = _weight_input(w, "w")
+    wf = None if weight_format is None else _weight_format(weight_format, "weight_format")
+    act = _optional_act(act_format)
+    _matching_k(x, w.shape[0], "x", "w")
+    xp = _backend.array_module(x, w)
+    K, N = w.shape
+    w32 = xp.ascontiguousarray(w, dtype=np.float32)
+    pw = quantize_weight(w, wf) if wf is not None else None
+    codes = scale = act_saved = None
+    if pw is not None:
+        y, codes, scale = _forward(x, pw, act)
+    elif act is not None:
+        codes, scale = quantize_rows(x, act)
+        codes, scale = codes.reshape(-1, K), scale.reshape(-1)
+        y = (codes.astype(np.float32) @ w32) * scale[:, None]
+    else:
+        _validate.all_finite(x, "x")
+        y = _float32_rows(x) @ w32
+    if act is None:
+        act_saved = _ctx.save(_float32_rows(x), saved, kind="values")
+    ctx = LinearCtx(
+        weight_format=wf, act_format=act, x_shape=tuple(x.shape), weight=w32, packed=pw,
+        act_codes=None if codes is None else _ctx.save(codes, None),
+        act_scale=None if scale is None else _ctx.save(scale, None),
+        act=act_saved,
+    )
+    return y.reshape(x.shape[:-1] + (N,)), ctx
+
+
+def linear_backward(dy, ctx):
+    """Straight-through backward of ``linear_forward``.
+
+    ``dx = dy @ Qw(w).T`` from the packed weight: for ternary and sign a signed sum of ``dy``
+    entries times the one scale (the CUDA kernel adds and subtracts; the CPU backends hand the
+    decoded codes in {-1, 0, 1} to BLAS, whose products by them are exact). ``dw = Qa(x).T @ dy``
+    from what the ctx saved, leading axes flattened. The quantizers' own derivatives are taken as
+    the identity (straight-through estimator).
+
+    Args:
+        dy: [..., N] float32 or float64, the shape of the forward output.
+        ctx: the ``LinearCtx`` from ``linear_forward``.
+
+    Returns:
+        ``(dx, dw)``: dx float32 of ``x``'s shape, dw [K, N] float32.
+    """
+    if not isinstance(ctx, LinearCtx):
+        raise TypeError(f"ctx must be the LinearCtx from lowbit.linear_forward, "
+                        f"got {type(ctx).__name__}")
+    dy = _validate.as_array(dy, "dy")
+    _validate.floating(dy, "dy")
+    K, N = ctx.weight.shape
+    expected = ctx.x_shape[:-1] + (N,)
+    if tuple(dy.shape) != expected:
+        raise ValueError(f"dy must have the forward output's shape {expected}, got {dy.shape}")
+    xp = _backend.array_module(dy, ctx.weight)
+    g = _float32_rows(dy)
+    pw = ctx.packed
+    if pw is not None:
+        _, impl = _dispatch.resolve("packed_matmul", g, pw.data)
+        dx = impl.matmul_dx(g, pw.data, pw.scale, pw.format, K)
+    else:
+        _, impl = _dispatch.resolve("packed_matmul", g)
+        dx = g @ ctx.weight.T
+    if ctx.act_format is not None:
+        dw = impl.matmul_dw(ctx.act_codes.unpack(), ctx.act_scale.unpack(), g)
+    else:
+        a = xp.ascontiguousarray(ctx.act.unpack().reshape(-1, K), dtype=np.float32)
+        dw = impl.matmul_dw(a, None, g)
+    return dx.reshape(ctx.x_shape), dw

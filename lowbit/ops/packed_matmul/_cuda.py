@@ -1,0 +1,118 @@
+"""Launchers for ``cuda/packed_matmul.cu`` (backends cuda and cudasim).
+
+Siblings: ``__init__.py``, ``_numpy.py``, ``_numba.py``; reference
+``reference/packed_matmul.py``. Few rows run the ``__dp4a`` GEMV kernel, more rows the tiled
+int8 tensor-core GEMM (``mma.sync`` m16n8k32; its cudasim twin implements the same fragment
+layout).
+"""
+
+import numpy as np
+
+from ... import _backend, _kernels
+
+SOURCE = "packed_matmul.cu"
+_FORMAT_ID = {"ternary": 0, "sign": 1, "int8": 2}
+NAME_EXPRESSIONS = tuple(
+    [f"{kernel}<{fmt}>" for kernel in ("gemv_int", "gemm_int", "matmul_float", "matmul_dx")
+     for fmt in range(3)]
+    + ["matmul_dw_codes", "matmul_dw_float"]
+)
+#: Rows at or below which the GEMV kernel runs instead of the tensor-core GEMM.
+GEMV_MAX_ROWS = 8
+#: Must match kGemvWarps, kGemmWarps, kTileM and kTileN in cuda/packed_matmul.cu.
+GEMV_WARPS = 8
+GEMM_WARPS = 4
+TILE_M = 32
+TILE_N = 32
+WARP = 32
+THREADS = 256
+#: Grid-stride loops cover the rest; enough blocks to fill any current GPU.
+MAX_BLOCKS = 4096
+
+
+def _kernel(name, like):
+    return _kernels.module(SOURCE, NAME_EXPRESSIONS, like).get_function(name)
+
+
+def _scale_args(scale_w):
+    xp = _backend.array_module(scale_w)
+    flat = xp.ascontiguousarray(scale_w, dtype=np.float32).reshape(-1)
+    return flat, np.int64(1 if flat.size > 1 else 0)
+
+
+def matmul_int(codes_x, scale_x, data, scale_w, format, K):
+    """Exact int32 ``codes_x @ codes_w``, then ``float32(acc) * scale_x[:, None] * scale_w``.
+
+    Args:
+        codes_x: [M, K] int8; scale_x: [M] float32; data: [N, bytes] packed weight;
+        scale_w: float32, 0-d or [N]; format; K.
+
+    Returns:
+        [M, N] float32.
+    """
+    xp = _backend.array_module(codes_x)
+    M = codes_x.shape[0]
+    N, nbytes = data.shape
+    y = _backend.empty((M, N), np.float32, xp)
+    if not y.size:
+        return y
+    sw, stride = _scale_args(scale_w)
+    args = (codes_x, scale_x, data.view(np.uint8), sw, y, np.int64(M), np.int64(N), np.int64(K),
+            np.int64(nbytes), stride)
+    fmt = _FORMAT_ID[format]
+    if M <= GEMV_MAX_ROWS:
+        _kernel(f"gemv_int<{fmt}>", codes_x)((-(-N // GEMV_WARPS), M), (GEMV_WARPS * WARP,), args)
+    else:
+        _kernel(f"gemm_int<{fmt}>", codes_x)((-(-N // TILE_N), -(-M // TILE_M)),
+                                             (GEMM_WARPS * WARP,), args)
+    return y
+
+
+def matmul_float(x, data, scale_w, format, K):
+    """x: [M, K] float32 -> [M, N] float32 ``(x @ codes_w) * scale_w``, float32 accumulation."""
+    xp = _backend.array_module(x)
+    M = x.shape[0]
+    N, nbytes = data.shape
+    y = _backend.empty((M, N), np.float32, xp)
+    if y.size:
+        sw, stride = _scale_args(scale_w)
+        _kernel(f"matmul_float<{_FORMAT_ID[format]}>", x)(
+            (-(-N // GEMV_WARPS), M), (GEMV_WARPS * WARP,),
+            (x, data.view(np.uint8), sw, y, np.int64(M), np.int64(N), np.int64(K),
+             np.int64(nbytes), stride))
+    return y
+
+
+def matmul_dx(dy, data, scale_w, format, K):
+    """dy: [M, N] float32 -> dx [M, K] float32 ``dy @ (codes_w * scale_w).T``."""
+    xp = _backend.array_module(dy)
+    M, N = dy.shape
+    dx = _backend.empty((M, K), np.float32, xp)
+    if dx.size:
+        sw, _ = _scale_args(scale_w)
+        _kernel(f"matmul_dx<{_FORMAT_ID[format]}>", dy)(
+            (max(1, min(MAX_BLOCKS, -(-dx.size // THREADS))),), (THREADS,),
+            (dy, data.view(np.uint8), sw, dx, np.int64(M), np.int64(N), np.int64(K),
+             np.int64(data.shape[1])))
+    return dx
+
+
+def matmul_dw(a, scale_a, dy):
+    """dw [K, N] float32 = ``Qa(x).T @ dy``.
+
+    Args:
+        a: [M, K] int8 codes (with ``scale_a`` [M] float32) or float32 activations (``scale_a``
+            None); dy: [M, N] float32.
+    """
+    xp = _backend.array_module(dy)
+    M, K = a.shape
+    N = dy.shape[1]
+    dw = _backend.empty((K, N), np.float32, xp)
+    if dw.size:
+        grid = (max(1, min(MAX_BLOCKS, -(-dw.size // THREADS))),)
+        sizes = (np.int64(M), np.int64(N), np.int64(K))
+        if scale_a is None:
+            _kernel("matmul_dw_float", dy)(grid, (THREADS,), (a, dy, dw) + sizes)
+        else:
+            _kernel("matmul_dw_codes", dy)(grid, (THREADS,), (a, scale_a, dy, dw) + sizes)
+    return dw

@@ -1,0 +1,504 @@
+"""Numba packed matmul: GEMV over packed bytes, BLAS GEMM on exactly packed integer tiles.
+
+Siblings: ``__init__.py``, ``_numpy.py``, ``_cuda.py``; reference ``reference/packed_matmul.py``;
+benchmark ``bench/matmul.py`` (which also times the GEMV variants against each other).
+
+GEMV (few rows): each packed weight byte is read once and its 2-bit (1-bit) fields are multiplied
+with int16 "planes" of the activation codes, ``plane[j][g] = codes_x[per * g + j]``, so that the
+inner loop runs over contiguous bytes and vectorizes. With stored codes ``c`` (ternary ``code +
+1``, sign the bit) the loop sums ``raw = sum codes_x * c`` and the signed result follows from the
+row sum of the codes: ternary ``acc = raw - sum(codes_x)``, sign ``acc = 2 raw - sum(codes_x)``.
+A lookup-table variant (``gemv_lut``: per group of 4 activations, the 256 sums a ternary byte can
+select) is kept for the benchmark's comparison.
+
+GEMM (more rows): integer products are computed exactly in float64 BLAS. Up to three columns of
+decoded weight codes are packed into one float64, ``w0 + 2^s w1 + 2^2s w2``; each dot product
+with activation codes then carries three integer results in separate bit fields. Over a K chunk
+whose partial sums stay below ``2^(s-1)`` in magnitude and whose packed total stays below 2^53,
+every product and partial sum BLAS forms is an integer below 2^53 and hence exact in any order;
+the fields are split again with exact power-of-two arithmetic. The result equals int32
+accumulation bit for bit, for a third of the multiply-adds of a float GEMM (float64 BLAS runs at
+about half the float32 rate here, so the net gain is about 1.5x before decode and split). Within a
+tile, K is laid out field-major (all first fields of the bytes, then all second ones, ...), with the
+activations permuted to match, so that decoding is contiguous vector work (measured 9x faster than
+a byte-by-byte table decode).
+
+Backward: ``dx = dy @ Qw(w).T`` for few rows walks every packed row once (a transposed GEMV,
+``_dx_small``); for more rows it decodes tiles of codes to float32 for BLAS. ``dw`` is BLAS on the
+dequantized saved activations.
+"""
+
+import numba
+import numpy as np
+
+from ... import _backend
+
+#: Rows at or below which the GEMV kernels run instead of the BLAS GEMM.
+GEMV_MAX_ROWS = 8
+#: Output columns decoded per float32 BLAS tile in ``matmul_float`` (the tile stays in L2/L3).
+TILE_N = 512
+#: float64 holds integers exactly up to this magnitude.
+EXACT_LIMIT = 2**53
+#: Largest code magnitude of each weight format.
+WEIGHT_QMAX = {"ternary": 1, "sign": 1, "int8": 127}
+
+
+# ---------------------------------------------------------------------------------------------
+# weight decoding
+
+
+def _decode_table(format):
+    """[256, per] float64: the signed codes a packed byte holds."""
+    if format == "int8":
+        return np.arange(-128, 128, dtype=np.float64).reshape(256, 1)[np.arange(256) ^ 128]
+    bits = 2 if format == "ternary" else 1
+    per = 8 // bits
+    b = np.arange(256)[:, None] >> (np.arange(per) * bits) & ((1 << bits) - 1)
+    return (b - 1 if format == "ternary" else 2 * b - 1).astype(np.float64)
+
+
+_TABLES = {f: _decode_table(f) for f in ("ternary", "sign", "int8")}
+
+
+@numba.njit(parallel=True, cache=True)
+def _decode(data, table, n0, k0, out):
+    """out[i, j] = code of weight (k0 + j, n0 + i); k0 is a multiple of codes per byte."""
+    rows, cols = out.shape
+    per = table.shape[1]
+    g0 = k0 // per
+    full = cols // per
+    for i in numba.prange(rows):
+        src = data[n0 + i]
+        dst = out[i]
+        for g in range(full):
+            b = np.int64(src[g0 + g]) & 255
+            for j in range(per):
+                dst[g * per + j] = table[b, j]
+        for c in range(full * per, cols):
+            dst[c] = table[np.int64(src[g0 + c // per]) & 255, c % per]
+
+
+def decode(data, format, n0, n1, k0, k1, dtype):
+    """Signed codes of W[k0:k1, n0:n1], transposed: [n1 - n0, k1 - k0] of ``dtype``."""
+    out = np.empty((n1 - n0, k1 - k0), dtype=dtype)
+    _decode(data, _TABLES[format].astype(dtype), n0, k0, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMV: a few rows, each packed byte read once
+
+
+def _planes(codes_x, per, nbytes):
+    """[M, per, nbytes] int16 with plane[m, j, g] = codes_x[m, per * g + j] (zero padded)."""
+    M, K = codes_x.shape
+    padded = np.zeros((M, nbytes * per), dtype=np.int16)
+    padded[:, :K] = codes_x
+    return np.ascontiguousarray(padded.reshape(M, nbytes, per).transpose(0, 2, 1))
+
+
+# Products of int16-cast operands summed in int32: LLVM turns this form into vpmaddwd (16-bit
+# multiply, pairwise add into 32 bits; 11% faster than int16 products, measured); without the
+# casts Numba widens integer arithmetic to int64, several times slower. Each row's dot product is
+# its own function: inlined into the row loop, the reduction over bytes did not vectorize (4x
+# slower).
+
+
+@numba.njit(cache=True)
+def _dot2(p0, p1, p2, p3, row):
+    three = np.int16(3)
+    acc = np.int32(0)
+    for g in range(row.shape[0]):
+        b = np.int16(row[g])
+        acc = np.int32(acc + np.int32(p0[g]) * np.int32(b & three)
+                       + np.int32(p1[g]) * np.int32((b >> np.int16(2)) & three)
+                       + np.int32(p2[g]) * np.int32((b >> np.int16(4)) & three)
+                       + np.int32(p3[g]) * np.int32(b >> np.int16(6)))
+    return acc
+
+
+@numba.njit(cache=True)
+def _dot1(pl, row):
+    one = np.int16(1)
+    acc = np.int32(0)
+    for g in range(row.shape[0]):
+        b = np.int16(row[g])
+        acc = np.int32(acc + np.int32(pl[0, g]) * np.int32(b & one)
+                       + np.int32(pl[1, g]) * np.int32((b >> np.int16(1)) & one)
+                       + np.int32(pl[2, g]) * np.int32((b >> np.int16(2)) & one)
+                       + np.int32(pl[3, g]) * np.int32((b >> np.int16(3)) & one)
+                       + np.int32(pl[4, g]) * np.int32((b >> np.int16(4)) & one)
+                       + np.int32(pl[5, g]) * np.int32((b >> np.int16(5)) & one)
+                       + np.int32(pl[6, g]) * np.int32((b >> np.int16(6)) & one)
+                       + np.int32(pl[7, g]) * np.int32(b >> np.int16(7)))
+    return acc
+
+
+@numba.njit(cache=True)
+def _dot8(xr, row):
+    acc = np.int32(0)
+    for k in range(row.shape[0]):
+        acc = np.int32(acc + np.int32(np.int16(xr[k])) * np.int32(np.int16(row[k])))
+    return acc
+
+
+@numba.njit(parallel=True, cache=True)
+def _gemv2(planes, data, out):
+    """out[m, n] = sum_g sum_j planes[m, j, g] * field_j(data[n, g]) for 2-bit fields."""
+    M = planes.shape[0]
+    for n in numba.prange(data.shape[0]):
+        for m in range(M):
+            out[m, n] = _dot2(planes[m, 0], planes[m, 1], planes[m, 2], planes[m, 3], data[n])
+
+
+@numba.njit(parallel=True, cache=True)
+def _gemv1(planes, data, out):
+    """As ``_gemv2`` for 1-bit fields (8 planes)."""
+    M = planes.shape[0]
+    for n in numba.prange(data.shape[0]):
+        for m in range(M):
+            out[m, n] = _dot1(planes[m], data[n])
+
+
+@numba.njit(parallel=True, cache=True)
+def _gemv8(codes_x, data, out):
+    """out[m, n] = sum_k codes_x[m, k] * data[n, k] (int8 weights)."""
+    M = codes_x.shape[0]
+    for n in numba.prange(data.shape[0]):
+        for m in range(M):
+            out[m, n] = _dot8(codes_x[m], data[n])
+
+
+@numba.njit(parallel=True, cache=True)
+def _lut_gemv2(codes_x, data, out):
+    """Ternary GEMV through per-group lookup tables of the 256 sums a byte can select."""
+    M, K = codes_x.shape
+    N, nbytes = data.shape
+    table = np.zeros((M, nbytes, 256), dtype=np.int32)
+    for m in range(M):
+        for g in numba.prange(nbytes):
+            for b in range(256):
+                s = np.int32(0)
+                for j in range(4):
+                    k = 4 * g + j
+                    if k < K:
+                        s += np.int32(codes_x[m, k]) * (((b >> (2 * j)) & 3) - 1)
+                table[m, g, b] = s
+    for n in numba.prange(N):
+        row = data[n]
+        for m in range(M):
+            t = table[m]
+            acc = np.int32(0)
+            for g in range(nbytes):
+                acc += t[g, row[g]]
+            out[m, n] = acc
+
+
+def _gemv_acc(codes_x, data, format):
+    """Exact int32 ``codes_x @ codes_w`` [M, N] for few rows."""
+    M, K = codes_x.shape
+    N = data.shape[0]
+    acc = np.empty((M, N), dtype=np.int32)
+    if format == "int8":
+        _gemv8(codes_x, data, acc)
+        return acc
+    per = 4 if format == "ternary" else 8
+    planes = _planes(codes_x, per, data.shape[1])
+    (_gemv2 if per == 4 else _gemv1)(planes, data, acc)
+    rowsum = codes_x.sum(axis=1, dtype=np.int32)[:, None]
+    return acc - rowsum if format == "ternary" else 2 * acc - rowsum
+
+
+def gemv_lut(codes_x, data, K):
+    """Exact int32 ternary ``codes_x @ codes_w`` [M, N] through lookup tables (benchmarked)."""
+    acc = np.empty((codes_x.shape[0], data.shape[0]), dtype=np.int32)
+    _lut_gemv2(codes_x, data, acc)
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM: exact integer products in float64 BLAS, three weight columns to a float
+
+
+def field_plan(bound_per_k, K):
+    """Choose ``(fields, shift, chunk)`` so that BLAS computes integer products exactly.
+
+    ``bound_per_k`` bounds ``|code_x * code_w|``. A chunk of K ``c`` has partial sums of magnitude
+    at most ``B = bound_per_k * c``; with ``shift`` s such that ``2^(s-1) > B`` each field is a
+    balanced digit, and ``B * sum_i 2^(i s) < 2^53`` keeps every packed partial sum exact.
+    """
+    for fields in (3, 2):
+        chunk = K
+        while chunk >= 1:
+            bound = bound_per_k * chunk
+            shift = bound.bit_length() + 1
+            if bound * sum(2 ** (i * shift) for i in range(fields)) < EXACT_LIMIT:
+                if chunk >= min(K, 512):
+                    return fields, shift, chunk
+                break
+            chunk = (chunk // 2) if chunk > 64 else chunk - 1
+    return 1, 0, K
+
+
+@numba.njit(cache=True)
+def _codes_into(src, bits, j, weight, first, dst):
+    """dst[g] (=, or += when not first) weight * code of field j of byte src[g]."""
+    if bits == 8:
+        for g in range(src.shape[0]):
+            v = weight * np.float64(src[g])
+            dst[g] = v if first else dst[g] + v
+    elif bits == 2:
+        for g in range(src.shape[0]):
+            v = weight * np.float64(((np.int32(src[g]) >> (2 * j)) & 3) - 1)
+            dst[g] = v if first else dst[g] + v
+    else:
+        for g in range(src.shape[0]):
+            v = weight * np.float64(2 * ((np.int32(src[g]) >> j) & 1) - 1)
+            dst[g] = v if first else dst[g] + v
+
+
+@numba.njit(parallel=True, cache=True)
+def _decode_fields(data, bits, fields, shift, g0, out):
+    """out[q, j * G + g] = sum_i 2^(i shift) * code(k = per (g0 + g) + j, n = i * P + q).
+
+    Codes are laid out field-major within the tile (K permuted to ``j * G + g``, G = bytes per
+    tile row), so every store runs over contiguous memory and vectorizes; the activations are
+    permuted the same way. Three (or two) weight columns share one float64; columns past N add
+    nothing.
+    """
+    P = out.shape[0]
+    N = data.shape[0]
+    per = 8 // bits
+    G = out.shape[1] // per
+    for q in numba.prange(P):
+        weight = 1.0
+        for i in range(fields):
+            n = i * P + q
+            if n < N:
+                src = data[n, g0:g0 + G]
+                for j in range(per):
+                    _codes_into(src, bits, j, weight, i == 0, out[q, j * G:(j + 1) * G])
+            weight *= 2.0**shift
+
+
+@numba.njit(parallel=True, cache=True)
+def _split3(v, shift, acc):
+    """acc[m, i * P + q] += field i of v[m, q], three balanced digits (exact)."""
+    M, P = v.shape
+    step = 2.0**shift
+    inv = 1.0 / step
+    for m in numba.prange(M):
+        for q in range(P):
+            rest = v[m, q]
+            d0 = rest - np.rint(rest * inv) * step
+            rest = (rest - d0) * inv
+            d1 = rest - np.rint(rest * inv) * step
+            acc[m, q] += d0
+            acc[m, P + q] += d1
+            acc[m, 2 * P + q] += (rest - d1) * inv
+
+
+@numba.njit(parallel=True, cache=True)
+def _split2(v, shift, acc):
+    """acc[m, i * P + q] += field i of v[m, q], two balanced digits (exact)."""
+    M, P = v.shape
+    step = 2.0**shift
+    inv = 1.0 / step
+    for m in numba.prange(M):
+        for q in range(P):
+            rest = v[m, q]
+            d0 = rest - np.rint(rest * inv) * step
+            acc[m, q] += d0
+            acc[m, P + q] += (rest - d0) * inv
+
+
+def _gemm_acc(codes_x, data, format, K):
+    """Exact ``codes_x @ codes_w`` [M, N] as float64 integers through packed-field BLAS."""
+    M = codes_x.shape[0]
+    N, nbytes = data.shape
+    qx = int(np.abs(codes_x).max()) if codes_x.size else 0
+    fields, shift, chunk = field_plan(max(qx, 1) * WEIGHT_QMAX[format], K)
+    bits = 2 if format == "ternary" else 1 if format == "sign" else 8
+    per = 8 // bits
+    chunk = max(per, chunk - chunk % per)
+    P = -(-N // fields)
+    acc = np.zeros((M, fields * P), dtype=np.float64)
+    for k0 in range(0, K, chunk):
+        k1 = min(K, k0 + chunk)
+        G = -(-(k1 - k0) // per)
+        # Activations of the chunk in the tile's field-major K order, zero past K.
+        xs = np.zeros((M, G * per), dtype=np.float64)
+        xs[:, : k1 - k0] = codes_x[:, k0:k1]
+        xs = xs.reshape(M, G, per).transpose(0, 2, 1).reshape(M, per * G)
+        tile = np.empty((P, per * G), dtype=np.float64)
+        _decode_fields(data, bits, fields, shift, k0 // per, tile)
+        v = xs @ tile.T
+        if fields == 3:
+            _split3(v, shift, acc)
+        elif fields == 2:
+            _split2(v, shift, acc)
+        else:
+            acc += v
+    return acc[:, :N]
+
+
+@numba.njit(parallel=True, cache=True)
+def _scale_rows(acc, scale_x, scale_w, out):
+    """out = float32(acc) * scale_x[m] * scale_w[n or 0], rounded in float32 in that order."""
+    M, N = acc.shape
+    stride = 1 if scale_w.shape[0] > 1 else 0
+    for m in numba.prange(M):
+        sx = scale_x[m]
+        for n in range(N):
+            out[m, n] = (np.float32(acc[m, n]) * sx) * scale_w[n * stride]
+
+
+def matmul_int(codes_x, scale_x, data, scale_w, format, K):
+    """Exact integer product of activation and weight codes, then the two scales.
+
+    Args:
+        codes_x: [M, K] int8; scale_x: [M] float32.
+        data: packed weight [N, bytes]; scale_w: float32, 0-d or [N]; format; K.
+
+    Returns:
+        [M, N] float32: ``float32(acc) * scale_x[:, None] * scale_w``, rounded in that order.
+    """
+    M = codes_x.shape[0]
+    N = data.shape[0]
+    acc = _gemv_acc(codes_x, data, format) if M <= GEMV_MAX_ROWS else _gemm_acc(
+        codes_x, data, format, K)
+    y = _backend.empty((M, N), np.float32)
+    _scale_rows(acc, scale_x, np.ascontiguousarray(scale_w, dtype=np.float32).reshape(-1), y)
+    return y
+
+
+def matmul_float(x, data, scale_w, format, K):
+    """x: [M, K] float32 -> [M, N] float32 ``(x @ codes_w) * scale_w``, float32 accumulation.
+
+    Decodes TILE_N output columns at a time to float32 and multiplies with BLAS.
+    """
+    M = x.shape[0]
+    N = data.shape[0]
+    y = _backend.empty((M, N), np.float32)
+    for n0 in range(0, N, TILE_N):
+        n1 = min(N, n0 + TILE_N)
+        tile = decode(data, format, n0, n1, 0, K, np.float32)
+        y[:, n0:n1] = (x @ tile.T) * (scale_w if scale_w.ndim == 0 else scale_w[n0:n1])
+    return y
+
+
+#: K columns of dx decoded per tile (a multiple of every format's codes per byte).
+TILE_K = 512
+#: Packed bytes of a weight row each task of the transposed GEMV covers (one cache line).
+DX_BLOCK_BYTES = 64
+
+
+@numba.njit(cache=True)
+def _axpy_fields(d, src, bits, acc):
+    """acc[j, i] += d * field_j(src[i]) for the 8 / bits fields of each byte.
+
+    One loop per field: with all fields in one loop body the loop did not vectorize (14x slower,
+    measured).
+    """
+    mask = (1 << bits) - 1
+    for j in range(8 // bits):
+        a = acc[j]
+        shift = j * bits
+        for i in range(src.shape[0]):
+            a[i] += d * np.float32((np.int32(src[i]) >> shift) & mask)
+
+
+@numba.njit(cache=True)
+def _axpy_codes8(d, src, acc):
+    a = acc[0]
+    for i in range(src.shape[0]):
+        a[i] += d * np.float32(src[i])
+
+
+@numba.njit(parallel=True, cache=True)
+def _dx_small(g, data, bits, K, out):
+    """Transposed GEMV over packed bytes: out[m, k] = sum_n g[m, n] * code(k, n).
+
+    Each task owns DX_BLOCK_BYTES bytes of every weight row and walks the rows n in order, adding
+    ``g[m, n]`` times the stored field of each code to per-field accumulators (the loop over bytes
+    vectorizes; the order over n is fixed, so results are deterministic). Stored fields map back
+    to codes through the row sum of ``g``: ternary ``code = field - 1``, sign
+    ``code = 2 field - 1``; int8 bytes are the codes.
+    """
+    M, N = g.shape
+    nbytes = data.shape[1]
+    per = 8 // bits
+    blocks = -(-nbytes // DX_BLOCK_BYTES)
+    for blk in numba.prange(blocks):
+        b0 = blk * DX_BLOCK_BYTES
+        b1 = min(nbytes, b0 + DX_BLOCK_BYTES)
+        acc = np.empty((per, b1 - b0), dtype=np.float32)
+        for m in range(M):
+            acc[:, :] = 0.0
+            total = np.float32(0.0)
+            for n in range(N):
+                d = g[m, n]
+                total += d
+                if bits == 8:
+                    _axpy_codes8(d, data[n, b0:b1], acc)
+                else:
+                    _axpy_fields(d, data[n, b0:b1], bits, acc)
+            for i in range(b1 - b0):
+                for j in range(per):
+                    k = (b0 + i) * per + j
+                    if k < K:
+                        v = acc[j, i]
+                        if bits == 2:
+                            v = v - total
+                        elif bits == 1:
+                            v = 2 * v - total
+                        out[m, k] = v
+
+
+def matmul_dx(dy, data, scale_w, format, K):
+    """dy: [M, N] float32 -> dx [M, K] float32 ``dy @ (codes_w * scale_w).T``.
+
+    Few rows: the transposed GEMV kernel over packed bytes. More rows: decode the codes of TILE_K
+    input features for all N outputs and multiply with BLAS. A per-tensor scale (ternary, sign)
+    multiplies once at the end.
+    """
+    M, N = dy.shape
+    dx = _backend.empty((M, K), np.float32)
+    g = dy if scale_w.ndim == 0 else np.ascontiguousarray(dy * scale_w, dtype=np.float32)
+    if M <= GEMV_MAX_ROWS:
+        bits = 2 if format == "ternary" else 1 if format == "sign" else 8
+        _dx_small(g, data, bits, K, dx)
+    else:
+        for k0 in range(0, K, TILE_K):
+            k1 = min(K, k0 + TILE_K)
+            tile = decode(data, format, 0, N, k0, k1, np.float32)
+            dx[:, k0:k1] = g @ tile
+    if scale_w.ndim == 0:
+        dx *= scale_w
+    return dx
+
+
+@numba.njit(parallel=True, cache=True)
+def _dequantize_rows(codes, scale, out):
+    M, K = codes.shape
+    for m in numba.prange(M):
+        s = scale[m]
+        for k in range(K):
+            out[m, k] = np.float32(codes[m, k]) * s
+
+
+def matmul_dw(a, scale_a, dy):
+    """dw [K, N] float32 = ``Qa(x).T @ dy`` (BLAS on the dequantized activations).
+
+    Args:
+        a: [M, K] int8 codes (with ``scale_a`` [M] float32) or float32 activations (``scale_a``
+            None); dy: [M, N] float32.
+    """
+    if scale_a is not None:
+        act = np.empty(a.shape, dtype=np.float32)
+        _dequantize_rows(a, scale_a, act)
+        a = act
+    dw = _backend.empty((a.shape[1], dy.shape[1]), np.float32)
+    np.matmul(a.T, dy, out=dw)
+    return dw
+

@@ -1,0 +1,216 @@
+"""Low-bit weight and activation formats: ``quantize_weight`` -> ``PackedWeight``,
+``quantize_activation`` -> ``QuantizedActivation``, and the straight-through fake quantizers.
+
+Backends: ``_numpy.py``, ``_numba.py``, ``_cuda.py`` (kernels in ``cuda/quantize.cu``); bit
+layout through ``lowbit.pack_bits``; reference ``reference/quantize.py``; tests
+``tests/test_quantize.py``. The packed matmul that consumes these lives in
+``lowbit/ops/packed_matmul``.
+
+Formats (issue 3, DESIGN.md): a scale is the dequantization step (value = code x scale), codes
+are rounded half to even from quotients formed in the input's dtype, scale floors use 1e-5.
+
+- ``"ternary"`` (BitNet b1.58): ``scale = max(mean|w|, 1e-5)``, ``code = clip(rint(w / scale),
+  -1, 1)``, stored as ``code + 1`` in 2 bits, 4 codes a byte.
+- ``"sign"``: ``scale = max(mean|w|, 1e-5)``, ``code = +1 where w >= 0 else -1``, 1 bit a code
+  (bit 1 means +1), 8 codes a byte.
+- ``"int8"``: ``scale[n] = max(max_k |w[k, n]|, 1e-5) / 127`` per output column,
+  ``code = clip(rint(w / scale), -127, 127)``, stored as int8.
+
+Storage is output-major and packed along K, LSB-first: ``data.shape == (N, ceil(K / per))``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ... import _backend, _dispatch, _validate
+from ..pack_bits import pack_bits
+
+#: Weight formats and the bits each stored code takes.
+WEIGHT_FORMATS = {"ternary": 2, "sign": 1, "int8": 8}
+#: Activation formats and their largest code magnitude.
+ACT_FORMATS = {"int8": 127, "int4": 7}
+#: Scale floor (BitNet b1.58's), applied to the statistic before dividing by the level count.
+EPS = 1e-5
+
+
+def weight_format(format, name="format") -> str:
+    """Validate a weight format string (``None`` is not accepted here)."""
+    if not isinstance(format, str) or format not in WEIGHT_FORMATS:
+        raise ValueError(f"{name} must be one of {tuple(WEIGHT_FORMATS)}, got {format!r}")
+    return format
+
+
+def act_format(format, name="act_format") -> str:
+    """Validate an activation format string (``None`` is not accepted here)."""
+    if not isinstance(format, str) or format not in ACT_FORMATS:
+        raise ValueError(f"{name} must be one of {tuple(ACT_FORMATS)}, got {format!r}")
+    return format
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A weight matrix ``W`` of shape ``(K, N)`` in a low-bit format.
+
+    Attributes:
+        format: "ternary", "sign" or "int8".
+        shape: ``(K, N)`` of the dense weight.
+        data: ternary/sign: [N, ceil(K / codes_per_byte)] uint8, codes LSB-first along K;
+            int8: [N, K] int8 codes.
+        scale: float32, a 0-d array (ternary, sign) or [N] (int8); value = code x scale.
+    """
+
+    format: str
+    shape: tuple
+    data: object
+    scale: object
+
+    @property
+    def codes_per_byte(self) -> int:
+        return 8 // WEIGHT_FORMATS[self.format]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array held (packed codes and scales)."""
+        return int(self.data.itemsize * self.data.size + self.scale.itemsize * self.scale.size)
+
+    @property
+    def dense_nbytes(self) -> int:
+        """Bytes of the same weight held densely in float32: ``K * N * 4``."""
+        return int(4 * self.shape[0] * self.shape[1])
+
+    def codes(self):
+        """Signed codes [K, N] int8 (ternary {-1, 0, 1}, sign {-1, 1}, int8 [-127, 127])."""
+        _, impl = _dispatch.resolve("quantize", self.data)
+        return impl.unpack_weight(self.data, self.format, self.shape[0]).T.astype(np.int8)
+
+    def dequantize(self):
+        """float32 [K, N]: ``codes * scale``."""
+        return self.codes().astype(np.float32) * self.scale.astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedActivation:
+    """Per-row quantized activations.
+
+    Attributes:
+        format: "int8" or "int4".
+        codes: int8, the shape of the input, in ``[-qmax, qmax]``.
+        scale: float32, the input's shape without its last axis; value = code x scale.
+    """
+
+    format: str
+    codes: object
+    scale: object
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.codes.itemsize * self.codes.size + self.scale.itemsize * self.scale.size)
+
+    def dequantize(self):
+        """float32, the input's shape: ``codes * scale[..., None]``."""
+        return self.codes.astype(np.float32) * self.scale[..., None]
+
+
+def _weight_input(w, name="w"):
+    w = _validate.as_array(w, name)
+    _validate.floating(w, name)
+    if w.ndim != 2:
+        raise ValueError(f"{name} must have shape (K, N), got rank {w.ndim} shape {w.shape}")
+    if w.shape[0] < 1 or w.shape[1] < 1:
+        raise ValueError(f"{name} must have K >= 1 and N >= 1, got shape {w.shape}")
+    _validate.all_finite(w, name)
+    return w
+
+
+def quantize_weight(w, format) -> PackedWeight:
+    """Quantize and pack a weight matrix.
+
+    Args:
+        w: [K, N] float32 or float64 (numpy or cupy); must be finite.
+        format: "ternary", "sign" or "int8".
+
+    Returns:
+        ``PackedWeight`` whose arrays live on the array module of ``w``.
+
+    Raises:
+        TypeError: ``w`` is not a float array.
+        ValueError: unknown ``format``, ``w`` not 2-d or empty, non-finite ``w``.
+    """
+    format = weight_format(format)
+    w = _weight_input(w)
+    _, impl = _dispatch.resolve("quantize", w)
+    stored, scale = impl.weight_codes(w, format)
+    if format != "int8":
+        stored = pack_bits(stored, WEIGHT_FORMATS[format], axis=-1)
+    xp = _backend.array_module(w)
+    return PackedWeight(format, tuple(w.shape), stored, xp.asarray(scale, dtype=np.float32))
+
+
+def _rows(x, name):
+    x = _validate.as_array(x, name)
+    _validate.floating(x, name)
+    if x.ndim < 1:
+        raise ValueError(f"{name} must have at least one dimension (..., K), got a 0-d array")
+    if x.shape[-1] < 1:
+        raise ValueError(f"{name} must have K = x.shape[-1] >= 1, got shape {x.shape}")
+    return x
+
+
+def quantize_rows(x, format, name="x"):
+    """Validated per-row quantization shared with ``packed_matmul``: ``(codes, scale)``.
+
+    ``x`` must already be checked by ``_rows``. Non-finite rows are found by the backend in the
+    same pass as the absmax (their scale comes back non-finite) and raise ``ValueError`` here.
+    """
+    xp = _backend.array_module(x)
+    K = x.shape[-1]
+    rows = xp.ascontiguousarray(x).reshape(-1, K)
+    _, impl = _dispatch.resolve("quantize", rows)
+    codes, scale = impl.quantize_rows(rows, ACT_FORMATS[format])
+    if scale.size and not bool(xp.isfinite(scale).all()):
+        bad = int(xp.flatnonzero(~xp.isfinite(scale))[0])
+        raise ValueError(f"{name} must be finite, got a non-finite value in row {bad}")
+    return codes.reshape(x.shape), scale.reshape(x.shape[:-1])
+
+
+def quantize_activation(x, format="int8") -> QuantizedActivation:
+    """Quantize activations per row over the last axis.
+
+    ``scale = max(max|x_row|, 1e-5) / qmax`` (qmax 127 for "int8", 7 for "int4"),
+    ``code = clip(rint(x / scale), -qmax, qmax)``.
+
+    Args:
+        x: [..., K] float32 or float64, K >= 1.
+        format: "int8" or "int4" (codes are held one per int8 either way).
+
+    Returns:
+        ``QuantizedActivation`` with ``codes`` int8 [..., K] and ``scale`` float32 [...].
+
+    Raises:
+        TypeError: ``x`` is not a float array. ValueError: unknown format, a non-finite value.
+    """
+    format = act_format(format, "format")
+    x = _rows(x, "x")
+    codes, scale = quantize_rows(x, format)
+    return QuantizedActivation(format, codes, scale)
+
+
+def fake_quantize_weight(w, format):
+    """Quantize then dequantize a weight: same shape and dtype as ``w``.
+
+    Its backward is the identity (straight-through estimator): pass the incoming gradient
+    through unchanged.
+    """
+    pw = quantize_weight(w, format)
+    return pw.dequantize().astype(w.dtype, copy=False)
+
+
+def fake_quantize_activation(x, format="int8"):
+    """Quantize then dequantize activations per row: same shape and dtype as ``x``.
+
+    Its backward is the identity (straight-through estimator).
+    """
+    return quantize_activation(x, format).dequantize().astype(x.dtype, copy=False)

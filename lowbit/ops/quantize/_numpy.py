@@ -1,0 +1,74 @@
+"""Vectorized quantization (array-generic: numpy or cupy).
+
+Siblings: ``__init__.py`` (validation, packing through ``lowbit.pack_bits``), ``_numba.py``,
+``_cuda.py``; reference ``reference/quantize.py``.
+"""
+
+import numpy as np
+
+from ... import _backend
+
+EPS = 1e-5
+_BITS = {"ternary": 2, "sign": 1}
+
+
+def weight_scale(w, format):
+    """Scale in ``w``'s dtype: 0-d (ternary, sign; mean |w| taken in float64) or [N] (int8)."""
+    xp = _backend.array_module(w)
+    dt = w.dtype.type
+    if format == "int8":
+        return xp.maximum(xp.abs(w).max(axis=0), dt(EPS)) / dt(127)
+    mean = xp.abs(w).sum(dtype=np.float64) / w.size
+    return xp.maximum(mean, EPS).astype(w.dtype)
+
+
+def weight_codes(w, format):
+    """w: [K, N] float -> (stored [N, K], scale).
+
+    Stored codes are uint8 ``code + 1`` (ternary), uint8 bit (sign) or int8 codes (int8); the
+    caller packs the first two along K.
+    """
+    xp = _backend.array_module(w)
+    scale = weight_scale(w, format)
+    if format == "sign":
+        stored = (w.T >= 0).astype(np.uint8)
+    elif format == "ternary":
+        stored = (xp.clip(xp.rint(w.T / scale), -1, 1) + 1).astype(np.uint8)
+    else:
+        stored = xp.clip(xp.rint(w.T / scale[:, None]), -127, 127).astype(np.int8)
+    out = _backend.empty(stored.shape, stored.dtype, xp)
+    out[...] = stored
+    return out, scale
+
+
+def unpack_weight(data, format, K):
+    """Packed data [N, bytes] -> signed codes [N, K] int8."""
+    xp = _backend.array_module(data)
+    out = _backend.empty((data.shape[0], K), np.int8, xp)
+    if format == "int8":
+        out[...] = data
+        return out
+    bits = _BITS[format]
+    per = 8 // bits
+    shifts = (xp.arange(per, dtype=np.uint8) * bits).astype(np.uint8)
+    stored = ((data[:, :, None] >> shifts) & np.uint8((1 << bits) - 1)).reshape(
+        data.shape[0], -1)[:, :K].astype(np.int8)
+    out[...] = stored - 1 if format == "ternary" else 2 * stored - 1
+    return out
+
+
+def quantize_rows(x, qmax):
+    """x: [M, K] float -> (codes [M, K] int8, scale [M] float32).
+
+    A row holding a non-finite value gets a non-finite scale (the absmax propagates NaN and inf)
+    and codes that the caller must not use.
+    """
+    xp = _backend.array_module(x)
+    dt = x.dtype.type
+    scale = xp.maximum(xp.abs(x).max(axis=-1), dt(EPS)) / dt(qmax)
+    codes = _backend.empty(x.shape, np.int8, xp)
+    s = _backend.empty(scale.shape, np.float32, xp)
+    with np.errstate(invalid="ignore", over="ignore"):  # rows with NaN/inf are rejected later
+        codes[...] = xp.nan_to_num(xp.clip(xp.rint(x / scale[:, None]), -qmax, qmax))
+        s[...] = scale
+    return codes, s

@@ -1,0 +1,86 @@
+"""Launchers for ``cuda/selective_scan.cu`` (backends cuda and cudasim).
+
+Siblings: ``_numpy.py``, ``_numba.py`` (same signatures); reference
+``reference/selective_scan.py``. One warp per (batch, head); the per-head gradients come back as
+[B, H] rows and are summed over the batch here.
+"""
+
+import numpy as np
+
+from ... import _backend, _kernels
+
+SOURCE = "selective_scan.cu"
+NAME_EXPRESSIONS = tuple(f"selective_{kind}<{ctype}>" for kind in ("fwd", "bwd")
+                         for ctype in ("float", "double"))
+#: Lanes per block (one warp); must match kLanes in the kernel.
+LANES = 32
+_CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+#: Dynamic shared memory a block may use without an opt-in attribute on every CUDA GPU.
+MAX_SHARED_BYTES = 48 * 1024
+
+
+def _shared(nbytes, what):
+    """Check a block's state buffer fits in shared memory; return its size."""
+    if nbytes > MAX_SHARED_BYTES:
+        raise ValueError(f"{what} needs {nbytes} bytes of shared memory per block, more than the "
+                         f"{MAX_SHARED_BYTES} the CUDA kernel may use; use a smaller state or "
+                         "the numba backend")
+    return nbytes
+
+
+def _kernel(name, like):
+    expression = f"selective_{name}<{_CTYPE[like.dtype]}>"
+    return _kernels.module(SOURCE, NAME_EXPRESSIONS, like).get_function(expression)
+
+
+def _rows_per_lane(npp):
+    return -(-npp // LANES)
+
+
+def selective_scan_forward(x, B, C, dt, dt_bias, A_log, D, initial_state, dt_floor, chunk_size,
+                           keep_checkpoints):
+    """Same contract as ``_numpy.selective_scan_forward``."""
+    xp = _backend.array_module(x)
+    nb, nt, nh, npp = x.shape
+    nn = B.shape[3]
+    out = _backend.empty(x.shape, x.dtype, xp)
+    final = _backend.empty((nb, nh, npp, nn), x.dtype, xp)
+    nchunks = -(-nt // chunk_size) if keep_checkpoints else 0
+    checkpoints = _backend.empty((nb, nh, nchunks, npp, nn), x.dtype, xp)
+    if nb * nh and npp:
+        _kernel("fwd", x)((nb * nh,), (LANES,),
+                          (x, B, C, dt, dt_bias, A_log, D, initial_state, out, final, checkpoints,
+                           np.int64(nt), np.int32(nh), np.int32(npp), np.int32(nn),
+                           x.dtype.type(dt_floor), np.int32(chunk_size),
+                           np.int32(-(-nt // chunk_size)), np.int32(keep_checkpoints)),
+                          shared_mem=_shared(_rows_per_lane(npp) * nn * LANES * x.itemsize,
+                                             f"P={npp}, N={nn} ({x.dtype})"))
+    return out, final, (checkpoints if keep_checkpoints else None)
+
+
+def selective_scan_backward(x, B, C, dt, dt_bias, A_log, D, checkpoints, dout, dstate, dt_floor,
+                            chunk_size):
+    """Same contract as ``_numpy.selective_scan_backward``."""
+    xp = _backend.array_module(x)
+    nb, nt, nh, npp = x.shape
+    nn = B.shape[3]
+    dx = _backend.empty(x.shape, x.dtype, xp)
+    dB = _backend.empty(B.shape, x.dtype, xp)
+    dC = _backend.empty(C.shape, x.dtype, xp)
+    ddt = _backend.empty(dt.shape, x.dtype, xp)
+    rows = [_backend.empty((nb, nh), x.dtype, xp) for _ in range(3)]
+    dinit = _backend.empty((nb, nh, npp, nn), x.dtype, xp)
+    # The states entering each token of the chunk being swept, per (batch, head).
+    scratch = _backend.empty((nb, nh, min(chunk_size, max(nt, 1)), npp, nn), x.dtype, xp)
+    if nb * nh and npp:
+        _kernel("bwd", x)((nb * nh,), (LANES,),
+                          (x, B, C, dt, dt_bias, A_log, D, checkpoints, dout, dstate, scratch,
+                           dx, dB, dC, ddt, *rows, dinit,
+                           np.int64(nt), np.int32(nh), np.int32(npp), np.int32(nn),
+                           x.dtype.type(dt_floor), np.int32(chunk_size),
+                           np.int32(checkpoints.shape[2])),
+                          shared_mem=_shared(
+                              _rows_per_lane(npp) * (2 * nn + 1) * LANES * x.itemsize,
+                              f"the backward at P={npp}, N={nn} ({x.dtype})"))
+    ddt_bias, dA_log, dD = (r.sum(axis=0) for r in rows)
+    return dx, dB, dC, ddt, ddt_bias, dA_log, dD, dinit

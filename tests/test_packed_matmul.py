@@ -1,0 +1,256 @@
+"""Tests of ``lowbit/ops/packed_matmul``: packed matmul and the straight-through linear layer.
+
+Every backend against ``reference/packed_matmul.py`` (forward and both gradients), the reference
+backward against central finite differences, ctx byte accounting, bad input. Kernels:
+``cuda/packed_matmul.cu`` (GEMV, tensor-core GEMM twin, dx, dw under cudasim).
+"""
+
+import numpy as np
+import pytest
+from helpers import assert_close, assert_equal, numerical_grad, to_numpy
+
+import lowbit
+from lowbit.reference.packed_matmul import linear_bwd_ref, linear_ref, packed_matmul_ref
+from lowbit.reference.quantize import quantize_weight_ref
+
+FORMATS = ("ternary", "sign", "int8")
+# (M, K, N): one row and few rows (GEMV kernels), more rows than a GEMM tile in both directions
+# (tiled GEMM, two block rows and columns), long odd K.
+SHAPES = [(1, 37, 3), (3, 113, 37), (37, 75, 45), (9, 4097, 3)]
+# cudasim runs each CUDA thread as an OS thread: the same kernel paths on fewer blocks.
+SIM_SHAPES = [(1, 37, 3), (3, 45, 11), (33, 40, 33)]
+
+
+def _shapes(backend):
+    return SIM_SHAPES if backend.name == "cudasim" else SHAPES
+
+
+def _data(rng, M, K, N):
+    x = (rng.standard_normal((M, K)) * 2).astype(np.float32)
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    return x, w
+
+
+def _packed(backend, w, format):
+    data, scale = quantize_weight_ref(w, format)
+    return lowbit.PackedWeight(format, w.shape, backend.to(data), backend.to(scale))
+
+
+@pytest.mark.parametrize("act_format", ["int8", "int4"])
+@pytest.mark.parametrize("format", FORMATS)
+def test_packed_matmul_int_matches_reference_exactly(backend, rng, format, act_format):
+    for M, K, N in _shapes(backend):
+        x, w = _data(rng, M, K, N)
+        pw = _packed(backend, w, format)
+        y = lowbit.packed_matmul(backend.to(x), pw, act_format)
+        ref = packed_matmul_ref(x, to_numpy(pw.data), to_numpy(pw.scale), format, K, act_format)
+        assert_equal(f"y {M}x{K}x{N}", ref, y)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_packed_matmul_float_matches_reference(backend, rng, format):
+    for M, K, N in [(1, 37, 3), (3, 45, 11) if backend.name == "cudasim" else (2, 4097, 3)]:
+        x, w = _data(rng, M, K, N)
+        pw = _packed(backend, w, format)
+        y = lowbit.packed_matmul(backend.to(x), pw, None)
+        ref = packed_matmul_ref(x, to_numpy(pw.data), to_numpy(pw.scale), format, K, None)
+        assert_close(f"y {M}x{K}x{N}", ref, y, rtol=1e-5)
+        assert y.dtype == np.float32
+
+
+def test_packed_matmul_leading_axes(backend, rng):
+    x = rng.standard_normal((2, 3, 37)).astype(np.float32)
+    w = rng.standard_normal((37, 5)).astype(np.float32)
+    pw = _packed(backend, w, "ternary")
+    y = lowbit.packed_matmul(backend.to(x), pw)
+    assert y.shape == (2, 3, 5)
+    assert_equal("y", packed_matmul_ref(x, to_numpy(pw.data), to_numpy(pw.scale), "ternary", 37),
+                 y)
+
+
+@pytest.mark.parametrize("format", ["ternary", "int8"])
+def test_exact_at_largest_codes(backend, format):
+    """Every code at its largest magnitude: int32 sums up to 127 * 127 * K (> 2^24), exact."""
+    M, K, N = 9, 1025 if backend.name == "cudasim" else 4097, 3
+    x = np.ones((M, K), dtype=np.float32)
+    x[1::2] *= -1
+    w = np.ones((K, N), dtype=np.float32)
+    w[:, 1] *= -1
+    pw = _packed(backend, w, format)
+    y = lowbit.packed_matmul(backend.to(x), pw, "int8")
+    assert_equal("y", packed_matmul_ref(x, to_numpy(pw.data), to_numpy(pw.scale), format, K), y)
+
+
+def test_deterministic(backend, rng):
+    x, w = _data(rng, *_shapes(backend)[-1])
+    pw = _packed(backend, w, "sign")
+    for act in ("int8", None):
+        first = lowbit.packed_matmul(backend.to(x), pw, act)
+        assert_equal(f"rerun {act}", first, lowbit.packed_matmul(backend.to(x), pw, act))
+
+
+# (weight_format, act_format, M, K, N)
+LINEAR_CASES = [
+    ("ternary", "int8", 6, 37, 5),
+    ("sign", "int4", 33, 40, 33),
+    ("int8", "int8", 33, 40, 33),
+    ("ternary", None, 3, 45, 11),
+    ("int8", None, 6, 37, 5),
+    (None, "int8", 6, 37, 5),
+    (None, None, 6, 37, 5),
+]
+
+
+@pytest.mark.parametrize("weight_format,act_format,M,K,N", LINEAR_CASES)
+def test_linear_matches_reference(backend, rng, weight_format, act_format, M, K, N):
+    x, w = _data(rng, M, K, N)
+    x = x.reshape((2, M // 2, K)) if M % 2 == 0 else x
+    dy = rng.standard_normal(x.shape[:-1] + (N,)).astype(np.float32)
+    keep = (x.copy(), w.copy(), dy.copy())
+    y, ctx = lowbit.linear_forward(backend.to(x), backend.to(w), weight_format, act_format)
+    assert_close("y", linear_ref(x, w, weight_format, act_format), y, rtol=1e-6)
+    dx, dw = lowbit.linear_backward(backend.to(dy), ctx)
+    rdx, rdw = linear_bwd_ref(dy, x, w, weight_format, act_format)
+    assert_close("dx", rdx, dx, rtol=1e-5)
+    assert_close("dw", rdw, dw, rtol=1e-5)
+    assert dx.shape == x.shape and dw.shape == w.shape
+    assert dx.dtype == np.float32 and dw.dtype == np.float32
+    for name, before, arr in zip(("x", "w", "dy"), keep, (x, w, dy)):
+        np.testing.assert_array_equal(before, arr, err_msg=name)
+
+
+def test_linear_int_forward_equals_packed_matmul(backend, rng):
+    x, w = _data(rng, 33, 40, 33)
+    y, _ = lowbit.linear_forward(backend.to(x), backend.to(w), "ternary", "int8")
+    pw = _packed(backend, w, "ternary")
+    assert_equal("y", packed_matmul_ref(x, to_numpy(pw.data), to_numpy(pw.scale), "ternary", 40),
+                 y)
+
+
+def test_reference_backward_matches_finite_differences(rng):
+    x = rng.standard_normal((2, 3, 4))
+    w = rng.standard_normal((4, 5))
+    dy = rng.standard_normal((2, 3, 5))
+    dx, dw = linear_bwd_ref(dy, x, w, None, None)
+    loss = lambda: float((linear_ref(x, w, None, None) * dy).sum())  # noqa: E731
+    assert_close("dx", numerical_grad(loss, x), dx, rtol=1e-8)
+    assert_close("dw", numerical_grad(loss, w), dw, rtol=1e-8)
+
+
+def test_backward_unquantized_matches_finite_differences(backend, rng):
+    x = rng.standard_normal((3, 7))
+    w = rng.standard_normal((7, 4))
+    dy = rng.standard_normal((3, 4))
+    _, ctx = lowbit.linear_forward(backend.to(x), backend.to(w), None, None)
+    dx, dw = lowbit.linear_backward(backend.to(dy), ctx)
+    loss = lambda: float((linear_ref(x, w, None, None) * dy).sum())  # noqa: E731
+    assert_close("dx", numerical_grad(loss, x), dx, rtol=1e-5)
+    assert_close("dw", numerical_grad(loss, w), dw, rtol=1e-5)
+
+
+def test_ctx_saves_int8_codes_exactly(rng):
+    x, w = _data(rng, 6, 40, 5)
+    _, ctx = lowbit.linear_forward(x, w, "ternary", "int8")
+    q = lowbit.quantize_activation(x, "int8")
+    assert_equal("codes", q.codes, ctx.act_codes.unpack())
+    assert_equal("scale", q.scale, ctx.act_scale.unpack())
+    assert ctx.nbytes == 6 * 40 + 4 * 6
+    assert ctx.dense_nbytes == 4 * 6 * 40 + 4 * 6
+    assert ctx.nbytes * 4 <= ctx.dense_nbytes + 3 * 4 * 6
+    report = lowbit.memory_report(ctx)
+    assert report.nbytes == ctx.nbytes and len(report.rows) == 2
+    _, ctx = lowbit.linear_forward(x, w, "ternary", None)
+    assert ctx.nbytes == ctx.dense_nbytes == 4 * 6 * 40
+
+
+def test_saved_int8_policy(rng):
+    pytest.importorskip("lowbit.ops.saved_activation")
+    x, w = _data(rng, 6, 40, 5)
+    dy = rng.standard_normal((6, 5)).astype(np.float32)
+    _, ctx = lowbit.linear_forward(x, w, "ternary", None, saved="int8")
+    assert ctx.nbytes < ctx.dense_nbytes / 3
+    dx, dw = lowbit.linear_backward(dy, ctx)
+    rdx, rdw = linear_bwd_ref(dy, x, w, "ternary", None)
+    assert_close("dx", rdx, dx, rtol=1e-5)
+    assert_close("dw (int8-saved x)", rdw, dw, rtol=2e-2)
+
+
+# ---- bad input: one test per rule --------------------------------------------------------------
+
+
+def _pw():
+    return lowbit.quantize_weight(np.ones((4, 3), np.float32), "ternary")
+
+
+def test_x_not_array():
+    with pytest.raises(TypeError, match="x must be a numpy or cupy array"):
+        lowbit.packed_matmul([[1.0] * 4], _pw())
+
+
+def test_x_dtype():
+    with pytest.raises(TypeError, match="x must be float32 or float64"):
+        lowbit.packed_matmul(np.ones((2, 4), np.int32), _pw())
+
+
+def test_x_rank():
+    with pytest.raises(ValueError, match="x must have at least one dimension"):
+        lowbit.packed_matmul(np.array(1.0, np.float32), _pw())
+
+
+def test_k_mismatch():
+    with pytest.raises(ValueError, match="x has K = 5.*pw has K = 4"):
+        lowbit.packed_matmul(np.ones((2, 5), np.float32), _pw())
+
+
+def test_pw_type():
+    with pytest.raises(TypeError, match="pw must be a lowbit.PackedWeight"):
+        lowbit.packed_matmul(np.ones((2, 4), np.float32), np.ones((4, 3), np.float32))
+
+
+def test_unknown_act_format():
+    with pytest.raises(ValueError, match="act_format must be one of"):
+        lowbit.packed_matmul(np.ones((2, 4), np.float32), _pw(), "int2")
+
+
+@pytest.mark.parametrize("act_format", ["int8", None])
+def test_non_finite_x(backend, act_format):
+    x = np.ones((3, 4), np.float32)
+    x[2, 1] = np.nan
+    pw = _packed(backend, np.ones((4, 3), np.float32), "sign")
+    with pytest.raises(ValueError, match="x must be finite"):
+        lowbit.packed_matmul(backend.to(x), pw, act_format)
+
+
+def test_linear_w_rank():
+    with pytest.raises(ValueError, match="w must have shape"):
+        lowbit.linear_forward(np.ones((2, 4), np.float32), np.ones(4, np.float32), "ternary")
+
+
+def test_linear_k_mismatch():
+    with pytest.raises(ValueError, match="x has K = 4.*w has K = 5"):
+        lowbit.linear_forward(np.ones((2, 4), np.float32), np.ones((5, 3), np.float32), "sign")
+
+
+def test_linear_unknown_weight_format():
+    with pytest.raises(ValueError, match="weight_format must be one of"):
+        lowbit.linear_forward(np.ones((2, 4), np.float32), np.ones((4, 3), np.float32), "int4")
+
+
+def test_linear_non_finite_w():
+    w = np.ones((4, 3), np.float32)
+    w[0, 0] = np.inf
+    with pytest.raises(ValueError, match="w must be finite"):
+        lowbit.linear_forward(np.ones((2, 4), np.float32), w, None, None)
+
+
+def test_backward_dy_shape():
+    _, ctx = lowbit.linear_forward(np.ones((2, 4), np.float32), np.ones((4, 3), np.float32),
+                                   "ternary")
+    with pytest.raises(ValueError, match="dy must have the forward output's shape"):
+        lowbit.linear_backward(np.ones((2, 4), np.float32), ctx)
+
+
+def test_backward_ctx_type():
+    with pytest.raises(TypeError, match="ctx must be the LinearCtx"):
+        lowbit.linear_backward(np.ones((2, 3), np.float32), object())
+

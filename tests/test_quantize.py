@@ -1,0 +1,175 @@
+"""Tests of ``lowbit/ops/quantize`` (weight and activation formats) on every backend.
+
+Reference: ``reference/quantize.py``; kernels: ``cuda/quantize.cu``. Codes and scales must equal
+the reference exactly, ties at .5 and zeros included.
+"""
+
+import numpy as np
+import pytest
+from helpers import assert_close, assert_equal, to_numpy
+
+import lowbit
+from lowbit.reference.quantize import (dequantize_ref, quantize_activation_ref,
+                                       quantize_weight_ref, weight_codes_ref)
+
+FORMATS = ("ternary", "sign", "int8")
+WEIGHT_SHAPES = [(1, 3), (37, 1), (3, 37), (4097, 3)]
+
+
+def _weights(rng, shape, dtype):
+    w = rng.standard_normal(shape).astype(dtype)
+    w.flat[:: max(1, w.size // 5)] = 0  # exact zeros: ternary 0, sign +1
+    return w
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("format", FORMATS)
+def test_quantize_weight_matches_reference(backend, rng, format, dtype):
+    for shape in WEIGHT_SHAPES:
+        w = _weights(rng, shape, dtype)
+        keep = w.copy()
+        pw = lowbit.quantize_weight(backend.to(w), format)
+        data, scale = quantize_weight_ref(w, format)
+        assert_equal(f"data {shape}", data, pw.data)
+        assert_equal(f"scale {shape}", scale, pw.scale)
+        assert pw.format == format and pw.shape == shape
+        assert isinstance(pw.data, backend.xp.ndarray)
+        assert pw.nbytes == data.nbytes + scale.nbytes
+        assert pw.dense_nbytes == 4 * shape[0] * shape[1]
+        codes, _ = weight_codes_ref(w, format)
+        assert_equal(f"codes {shape}", codes, pw.codes())
+        axis = None if format != "int8" else 0
+        assert_close(f"dequantize {shape}", dequantize_ref(codes, scale, axis), pw.dequantize(),
+                     rtol=1e-7)
+        assert pw.dequantize().dtype == np.float32
+        np.testing.assert_array_equal(to_numpy(backend.to(w)), keep)
+
+
+def test_packed_sizes_follow_codes_per_byte(rng):
+    w = rng.standard_normal((4097, 3)).astype(np.float32)
+    assert lowbit.quantize_weight(w, "ternary").data.shape == (3, 1025)
+    assert lowbit.quantize_weight(w, "sign").data.shape == (3, 513)
+    assert lowbit.quantize_weight(w, "int8").data.shape == (3, 4097)
+    assert lowbit.quantize_weight(w, "int8").data.dtype == np.int8
+
+
+def test_weight_ties_round_half_to_even(backend):
+    # mean |w| is exactly 1, so the quotients are the values themselves: 0.5 -> 0, 1.5 -> 2
+    # (clipped to 1), -0.5 -> 0, 2.5 -> 2 -> 1; zeros stay 0 (ternary) and become +1 (sign).
+    w = np.array([[0.5, -0.5], [1.5, -1.5], [0.0, 0.0], [2.0, -2.0]], dtype=np.float32)
+    for format in ("ternary", "sign"):
+        pw = lowbit.quantize_weight(backend.to(w), format)
+        codes, scale = weight_codes_ref(w, format)
+        assert float(scale) == 1.0
+        assert_equal(format, codes, pw.codes())
+    assert_equal("ternary ties", np.array([[0, 0], [1, -1], [0, 0], [1, -1]], np.int8),
+                 lowbit.quantize_weight(backend.to(w), "ternary").codes())
+    # int8: the column max 127 makes the scale exactly 1.
+    col = np.array([127.0, 0.5, 1.5, 2.5, -0.5, -126.5, 0.0], dtype=np.float32)[:, None]
+    pw = lowbit.quantize_weight(backend.to(col), "int8")
+    assert_equal("int8 ties", np.array([[127, 0, 2, 2, 0, -126, 0]], np.int8).T, pw.codes())
+    assert_equal("int8 ref", weight_codes_ref(col, "int8")[0], pw.codes())
+
+
+def test_scale_floor(backend):
+    w = np.zeros((5, 3), dtype=np.float32)
+    for format in FORMATS:
+        pw = lowbit.quantize_weight(backend.to(w), format)
+        assert_equal(format, quantize_weight_ref(w, format)[1], pw.scale)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("format", ["int8", "int4"])
+def test_quantize_activation_matches_reference(backend, rng, format, dtype):
+    for shape in [(2, 3, 37), (1, 4097), (5, 1), (113,)]:
+        x = rng.standard_normal(shape).astype(dtype) * 3
+        x[..., 0] = 0
+        keep = x.copy()
+        q = lowbit.quantize_activation(backend.to(x), format)
+        codes, scale = quantize_activation_ref(x, format)
+        assert_equal(f"codes {shape}", codes, q.codes)
+        assert_equal(f"scale {shape}", scale, q.scale)
+        assert_close(f"dequantize {shape}", codes * scale[..., None].astype(np.float64),
+                     q.dequantize(), rtol=1e-7)
+        np.testing.assert_array_equal(to_numpy(backend.to(x)), keep)
+
+
+def test_activation_ties_and_zero_rows(backend):
+    x = np.array([[7.0, 0.5, 1.5, -2.5, 0.0], [0, 0, 0, 0, 0]], dtype=np.float32)
+    q = lowbit.quantize_activation(backend.to(x), "int4")
+    assert_equal("int4 ties", np.array([[7, 0, 2, -2, 0], [0, 0, 0, 0, 0]], np.int8), q.codes)
+    codes, scale = quantize_activation_ref(x, "int4")
+    assert_equal("codes", codes, q.codes)
+    assert_equal("scale", scale, q.scale)
+
+
+def test_fake_quantize(backend, rng):
+    w = rng.standard_normal((37, 5)).astype(np.float32)
+    x = rng.standard_normal((3, 37)).astype(np.float64)
+    for format in FORMATS:
+        fq = lowbit.fake_quantize_weight(backend.to(w), format)
+        codes, scale = weight_codes_ref(w, format)
+        ref = dequantize_ref(codes, scale, 0 if format == "int8" else None)
+        assert fq.shape == w.shape and fq.dtype == w.dtype
+        assert_close(format, ref, fq, rtol=1e-7)
+    fq = lowbit.fake_quantize_activation(backend.to(x), "int8")
+    codes, scale = quantize_activation_ref(x, "int8")
+    assert fq.shape == x.shape and fq.dtype == x.dtype
+    assert_close("activation", codes * scale[:, None].astype(np.float64), fq, rtol=1e-7)
+
+
+def test_non_finite_weight_raises(backend):
+    w = np.ones((4, 3), dtype=np.float32)
+    for bad in (np.nan, np.inf):
+        w[2, 1] = bad
+        with pytest.raises(ValueError, match="w"):
+            lowbit.quantize_weight(backend.to(w), "ternary")
+
+
+def test_non_finite_activation_row_raises(backend):
+    x = np.ones((3, 5), dtype=np.float32)
+    for bad in (np.nan, -np.inf):
+        x[1, 3] = bad
+        with pytest.raises(ValueError, match="x must be finite.*row 1"):
+            lowbit.quantize_activation(backend.to(x))
+
+
+def test_unknown_weight_format():
+    with pytest.raises(ValueError, match="format"):
+        lowbit.quantize_weight(np.ones((2, 2), np.float32), "int4")
+
+
+def test_unknown_activation_format():
+    with pytest.raises(ValueError, match="format"):
+        lowbit.quantize_activation(np.ones((2, 2), np.float32), "ternary")
+
+
+def test_weight_rank():
+    with pytest.raises(ValueError, match="w must have shape"):
+        lowbit.quantize_weight(np.ones(4, np.float32), "sign")
+
+
+def test_weight_empty():
+    with pytest.raises(ValueError, match="w must have K >= 1"):
+        lowbit.quantize_weight(np.ones((0, 4), np.float32), "sign")
+
+
+def test_weight_dtype():
+    with pytest.raises(TypeError, match="w must be float32 or float64"):
+        lowbit.quantize_weight(np.ones((2, 2), np.int32), "sign")
+
+
+def test_weight_not_array():
+    with pytest.raises(TypeError, match="w must be a numpy or cupy array"):
+        lowbit.quantize_weight([[1.0]], "sign")
+
+
+def test_activation_rank():
+    with pytest.raises(ValueError, match="x must have at least one dimension"):
+        lowbit.quantize_activation(np.array(1.0, dtype=np.float32))
+
+
+def test_activation_dtype():
+    with pytest.raises(TypeError, match="x must be float32 or float64"):
+        lowbit.quantize_activation(np.ones((2, 2), np.int8))
+
