@@ -269,8 +269,8 @@ def cases(config: Config):
                 else:
                     states = loop_fwd(*inputs)[2]
                     params = inputs[:-1]
-                    base_fn = (lambda loop=loop_bwd, p=params, s=states, d=dout:
-                               loop(*p, s, d, np.zeros_like(inputs[-1])))
+                    base_fn = (lambda loop=loop_bwd, p=params, s=states, d=dout,
+                               z=np.zeros_like(inputs[-1]): loop(*p, s, d, z))
                 info = {"shape": dims}
                 yield Case("scan", base, fn=_timed(base_fn, info, tokens), info=info,
                            flops=tokens * nh * flops[direction],

@@ -104,7 +104,7 @@ def test_extreme_decay_and_beta(backend, rng, log_decay, beta, per_key):
     # Decay near 0 (log_decay = -30) and exactly 1 (log_decay = 0); beta 0 (no write) and 1.
     inputs = make_inputs(rng, 1, 6, 2, 4, 3, per_key=per_key, log_decay=log_decay, beta=beta)
     out, state = check_against_reference(backend, rng, inputs, 4, 1e-10)
-    q, _, _, _, _, s0 = inputs
+    s0 = inputs[5]
     if log_decay == 0.0 and beta == 0.0:
         # Nothing decays and nothing is written: the state passes through untouched.
         assert_close("state", s0, state, 1e-14)

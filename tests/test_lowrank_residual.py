@@ -2,14 +2,10 @@
 
 Every backend against the float64 reference (``reference/lowrank_residual.py``), the reference
 backward against central finite differences, saved-activation policies (gradient cosine against
-fp32), low-bit plans, profiling, and one test per validation rule. Parts that compose ops of
-other issues (saved-activation packing, packed matmul, segmented attention) skip with a reason
-while those ops are missing.
+fp32), low-bit plans, profiling, and one test per validation rule.
 """
 
 from __future__ import annotations
-
-import importlib
 
 import numpy as np
 import pytest
@@ -26,19 +22,6 @@ from lowbit.reference.lowrank_residual import (
     lowrank_residual_bwd_ref,
     lowrank_residual_ref,
 )
-
-
-def _needs(module, name, backend=None):
-    """Skip unless ``lowbit.ops.<module>`` provides ``name`` (an op of another issue), and, for a
-    given backend, its backend module."""
-    try:
-        mod = importlib.import_module(f"lowbit.ops.{module}")
-        if backend is not None:
-            importlib.import_module(f"lowbit.ops.{module}.{_dispatch._MODULE_OF_BACKEND[backend]}")
-    except ImportError as exc:
-        pytest.skip(f"lowbit.ops.{module} not available: {exc}")
-    if not hasattr(mod, name):
-        pytest.skip(f"lowbit.ops.{module}.{name} not available yet")
 
 
 def _layer(rng, B, T, D, H, N, dtype=np.float32):
@@ -124,8 +107,6 @@ LAYER_CASES = [
 
 @pytest.mark.parametrize("attention,lengths,threshold,dropout", LAYER_CASES)
 def test_layer_matches_reference(backend, rng, attention, lengths, threshold, dropout):
-    if attention == "segmented":
-        _needs("segmented_attention", "segmented_attention_forward", backend.name)
     B, T, D, H, N = 2, 37, 6, 2, 9
     if backend.name == "cudasim":  # one OS thread per CUDA thread: a few blocks only
         B, T, lengths = 1, 9, (None if lengths is None else [3, 1, 5])
@@ -194,7 +175,6 @@ POLICY_CASES = [("int8", 0.999, 1.645), ("sparse", 0.999, 1.645), ("int4", 0.98,
 
 
 def test_saved_fp32_equals_unsaved(rng):
-    _needs("saved_activation", "pack_activation")
     (current, encoder, encoder_v, decoder), thr = _bdh_like(rng)
     dnext = rng.standard_normal(current.shape).astype(np.float32)
     out0, ctx0 = lowbit.lowrank_residual_forward(current, encoder, encoder_v, decoder,
@@ -211,7 +191,6 @@ def test_saved_fp32_equals_unsaved(rng):
 
 @pytest.mark.parametrize("policy,bound,thr", POLICY_CASES)
 def test_saved_policy_gradient_cosine(rng, policy, bound, thr):
-    _needs("saved_activation", "pack_activation")
     (current, encoder, encoder_v, decoder), _ = _bdh_like(rng)
     dnext = rng.standard_normal(current.shape).astype(np.float32)
     _, ctx_fp = lowbit.lowrank_residual_forward(current, encoder, encoder_v, decoder,
@@ -230,7 +209,6 @@ def test_saved_policy_gradient_cosine(rng, policy, bound, thr):
 
 
 def test_sparse_policy_formats_and_report(rng):
-    _needs("saved_activation", "pack_activation")
     (current, encoder, encoder_v, decoder), thr = _bdh_like(rng)
     _, ctx = lowbit.lowrank_residual_forward(current, encoder, encoder_v, decoder,
                                              relu_threshold=thr, saved="sparse")
@@ -258,7 +236,6 @@ def test_kernels_compile_under_nvrtc_without_spills(arch):
 
 
 def test_saved_config_policy(rng):
-    _needs("saved_activation", "SavedConfig")
     from lowbit.ops.saved_activation import SavedConfig
 
     (current, encoder, encoder_v, decoder), thr = _bdh_like(rng, T=16)
@@ -277,8 +254,6 @@ def test_saved_config_policy(rng):
 @pytest.mark.parametrize("projection", ["x", "y", "residual"])
 @pytest.mark.parametrize("weight", ["ternary", "sign", "int8"])
 def test_plan_matches_quantized_reference(backend, rng, projection, weight):
-    _needs("packed_matmul", "packed_matmul", backend.name)
-    _needs("quantize", "fake_quantize_activation", backend.name)
     B, T, D, H, N = 1, 12 if backend.name != "cudasim" else 5, 8, 2, 6
     current, encoder, encoder_v, decoder = _layer(rng, B, T, D, H, N)
     dnext = rng.standard_normal((B, T, D)).astype(np.float32)
@@ -296,7 +271,6 @@ def test_plan_matches_quantized_reference(backend, rng, projection, weight):
 
 
 def test_plan_sgd_lowers_the_loss(rng):
-    _needs("packed_matmul", "packed_matmul")
     B, T, D, H, N = 2, 16, 16, 2, 32
     current, encoder, encoder_v, decoder = _layer(rng, B, T, D, H, N)
     target = rng.standard_normal(current.shape).astype(np.float32)

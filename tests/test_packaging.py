@@ -3,7 +3,6 @@
 import configparser
 from pathlib import Path
 
-import lowbit
 from lowbit import _kernels
 
 ROOT = Path(__file__).resolve().parent.parent

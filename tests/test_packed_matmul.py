@@ -164,7 +164,6 @@ def test_ctx_saves_int8_codes_exactly(rng):
 
 
 def test_saved_int8_policy(rng):
-    pytest.importorskip("lowbit.ops.saved_activation")
     x, w = _data(rng, 6, 40, 5)
     dy = rng.standard_normal((6, 5)).astype(np.float32)
     _, ctx = lowbit.linear_forward(x, w, "ternary", None, saved="int8")

@@ -78,7 +78,6 @@ def test_sparse_matches_reference(backend, rng, rounding):
 
 def test_numba_parallel_paths_match_reference(rng, monkeypatch):
     """Small tensors run numba's serial functions directly; force the parallel drivers too."""
-    pytest.importorskip("numba")
     from lowbit.ops.saved_activation import _numba
 
     monkeypatch.setattr(_numba, "SERIAL_ELEMENTS", 0)
@@ -94,7 +93,6 @@ def test_numba_parallel_paths_match_reference(rng, monkeypatch):
 def test_large_tensor_numba_matches_numpy(rng, fmt):
     """Above numba's serial threshold: bitwise equal to the numpy backend (itself checked
     against the reference above)."""
-    pytest.importorskip("numba")
     # Half nonzeros overflow the numba sparse kernel's in-cache compaction slots.
     kinds = KINDS if fmt != "sparse" else ("nonneg",)
     for density, kind, rounding in [(d, k, r) for d in (0.05, 0.5) for k in kinds
@@ -318,8 +316,6 @@ def test_memory_report_walks_nested_ctxs(rng):
 
 
 def test_memory_report_of_linear_forward(rng):
-    if not hasattr(lowbit, "linear_forward"):
-        pytest.skip("lowbit.linear_forward (issue 3) is not there yet")
     x = _values(rng, (4, 16, 64))
     w = rng.standard_normal((64, 32)).astype(np.float32)
     y, ctx = lowbit.linear_forward(x, w, "ternary", None, saved="int8")

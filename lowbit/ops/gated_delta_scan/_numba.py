@@ -2,8 +2,8 @@
 independently), sequential over T, each task's state slice in a local array.
 
 Siblings: ``_numpy.py`` (same signatures), ``_cuda.py``; reference
-``reference/gated_delta_scan.py``. The backward sweeps the chunks in reverse, recomputing the
-states entering each token of a chunk from its checkpoint into a task-local buffer. dq, dk,
+``reference/gated_delta_scan.py``. The backward sweeps the chunks in reverse, recomputing from
+the chunk's checkpoint each token's decayed state and residual into task-local buffers. dq, dk,
 dlog_decay and dbeta sum over V, so with several slices each slice writes its own partial row
 and the rows are summed afterwards in a fixed order (deterministic, no atomics).
 """
@@ -57,7 +57,8 @@ def _forward(q, k, v, log_decay, beta, s0, chunk, width, out, final, checkpoints
                       task)
 
 
-@numba.njit(cache=True)
+# contract: the multiply-adds become FMAs.
+@numba.njit(cache=True, fastmath={"contract"})
 def _forward_task(q, k, v, log_decay, beta, s0, chunk, width, out, final, checkpoints, keep,
                   task):
     nb, nt, nh, nk = q.shape

@@ -30,19 +30,8 @@ def _step(dt, dt_bias, A_log, dt_floor, b, t, h):
     return z, soft, delta, math.exp(-math.exp(A_log[h]) * delta)
 
 
-@numba.njit(inline="always")
-def _advance(s, x, B, b, t, h, delta, a, dx):
-    """s [N, P] = a * s + delta * outer(B_t, x_t); leaves delta * x_t in dx [P]."""
-    nn, npp = s.shape
-    for p in range(npp):
-        dx[p] = delta * x[b, t, h, p]
-    for n in range(nn):
-        bn = B[b, t, h, n]
-        for p in range(npp):
-            s[n, p] = a * s[n, p] + bn * dx[p]
-
-
-@numba.njit(parallel=True, cache=True)
+# contract: the multiply-adds become FMAs.
+@numba.njit(parallel=True, cache=True, fastmath={"contract"})
 def _forward(x, B, C, dt, dt_bias, A_log, D, s0, dt_floor, chunk, out, final, checkpoints, keep):
     nb, nt, nh, npp = x.shape
     nn = B.shape[3]
@@ -57,14 +46,19 @@ def _forward(x, B, C, dt, dt_bias, A_log, D, s0, dt_floor, chunk, out, final, ch
             if keep and t % chunk == 0:
                 checkpoints[b, h, t // chunk] = s.T
             _, _, delta, a = _step(dt, dt_bias, A_log, dt_floor, b, t, h)
-            _advance(s, x, B, b, t, h, delta, a, dx)
             for p in range(npp):
+                dx[p] = delta * x[b, t, h, p]
                 o[p] = D[h] * x[b, t, h, p]
+            # update and read-out in one pass over the state
             for n in range(nn):
+                bn = B[b, t, h, n]
                 cn = C[b, t, h, n]
                 for p in range(npp):
-                    o[p] += s[n, p] * cn
-            out[b, t, h] = o
+                    v = a * s[n, p] + bn * dx[p]
+                    s[n, p] = v
+                    o[p] += v * cn
+            for p in range(npp):
+                out[b, t, h, p] = o[p]
         final[b, h] = s.T
 
 
