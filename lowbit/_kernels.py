@@ -13,6 +13,8 @@ import functools
 import hashlib
 from pathlib import Path
 
+import numpy as np
+
 from . import _backend
 
 #: NVRTC options for every kernel; the include directory is appended at load time.
@@ -77,3 +79,18 @@ def module(source_name: str, name_expressions: tuple[str, ...], like):
         mod = _cudasim.load_module(source(source_name), name_expressions, [str(cuda_dir())])
         _modules[key] = mod
     return mod
+
+
+#: C++ type name of each floating dtype, for template name expressions.
+CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+#: Dynamic shared memory a block may use without an opt-in attribute on every CUDA GPU.
+MAX_SHARED_BYTES = 48 * 1024
+
+
+def check_shared(nbytes: int, what: str) -> int:
+    """Raise ValueError if a block would need more than ``MAX_SHARED_BYTES``; return ``nbytes``."""
+    if nbytes > MAX_SHARED_BYTES:
+        raise ValueError(f"{what} needs {nbytes} bytes of shared memory per block, more than the "
+                         f"{MAX_SHARED_BYTES} the CUDA kernel may use; use a smaller size or "
+                         "the numba backend")
+    return nbytes

@@ -14,22 +14,10 @@ NAME_EXPRESSIONS = tuple(f"gated_delta_{kind}<{ctype}>" for kind in ("fwd", "bwd
                          for ctype in ("float", "double"))
 #: Lanes per block (one warp) = columns of V per slice; must match kLanes in the kernel.
 LANES = 32
-_CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
-#: Dynamic shared memory a block may use without an opt-in attribute on every CUDA GPU.
-MAX_SHARED_BYTES = 48 * 1024
-
-
-def _shared(nbytes, what):
-    """Check a block's state buffer fits in shared memory; return its size."""
-    if nbytes > MAX_SHARED_BYTES:
-        raise ValueError(f"{what} needs {nbytes} bytes of shared memory per block, more than the "
-                         f"{MAX_SHARED_BYTES} the CUDA kernel may use; use a smaller state or "
-                         "the numba backend")
-    return nbytes
 
 
 def _kernel(name, like):
-    expression = f"gated_delta_{name}<{_CTYPE[like.dtype]}>"
+    expression = f"gated_delta_{name}<{_kernels.CTYPE[like.dtype]}>"
     return _kernels.module(SOURCE, NAME_EXPRESSIONS, like).get_function(expression)
 
 
@@ -54,7 +42,7 @@ def gated_delta_scan_forward(q, k, v, log_decay, beta, initial_state, chunk_size
         _kernel("fwd", q)((nb * nh, -(-nv // LANES)), (LANES,),
                           (q, k, v, log_decay, beta, initial_state, out, final, checkpoints,
                            *_dims(q, v, log_decay, chunk_size), np.int32(keep_checkpoints)),
-                          shared_mem=_shared(nk * LANES * q.itemsize, f"K={nk} ({q.dtype})"))
+                          shared_mem=_kernels.check_shared(nk * LANES * q.itemsize, f"K={nk} ({q.dtype})"))
     return out, final, (checkpoints if keep_checkpoints else None)
 
 
@@ -84,7 +72,7 @@ def gated_delta_scan_backward(q, k, v, log_decay, beta, checkpoints, dout, dstat
         _kernel("bwd", q)((nb * nh, slices), (LANES,),
                           (q, k, v, log_decay, beta, checkpoints, dout, dstate, scratch,
                            dq, dk, dv, dlog, dbeta, dinit, *_dims(q, v, log_decay, chunk_size)),
-                          shared_mem=_shared(2 * nk * LANES * q.itemsize,
+                          shared_mem=_kernels.check_shared(2 * nk * LANES * q.itemsize,
                                              f"the backward at K={nk} ({q.dtype})"))
     return (_sum_slices(xp, dq), _sum_slices(xp, dk), dv, _sum_slices(xp, dlog),
             _sum_slices(xp, dbeta), dinit)

@@ -14,7 +14,6 @@ from ._numpy import weight_scale
 
 SOURCE = "quantize.cu"
 _FORMAT_ID = {"ternary": 0, "sign": 1, "int8": 2}
-_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 NAME_EXPRESSIONS = tuple(
     [f"weight_codes<{fmt}, {t}>" for fmt in range(3) for t in ("float", "double")]
     + [f"quantize_rows<{t}>" for t in ("float", "double")]
@@ -34,7 +33,7 @@ def weight_codes(w, format):
     dtype = np.int8 if format == "int8" else np.uint8
     out = _backend.empty((N, K), dtype, xp)
     kernel = _kernels.module(SOURCE, NAME_EXPRESSIONS, w).get_function(
-        f"weight_codes<{_FORMAT_ID[format]}, {_TYPES[w.dtype]}>")
+        f"weight_codes<{_FORMAT_ID[format]}, {_kernels.CTYPE[w.dtype]}>")
     grid = (max(1, min(MAX_BLOCKS, -(-out.size // THREADS))),)
     kernel(grid, (THREADS,), (xp.ascontiguousarray(w), xp.ascontiguousarray(scale).reshape(-1),
                               out.view(np.uint8), np.int64(K), np.int64(N)))
@@ -61,7 +60,7 @@ def quantize_rows(x, qmax):
     scale = _backend.empty((M,), np.float32, xp)
     if M:
         kernel = _kernels.module(SOURCE, NAME_EXPRESSIONS, x).get_function(
-            f"quantize_rows<{_TYPES[x.dtype]}>")
+            f"quantize_rows<{_kernels.CTYPE[x.dtype]}>")
         kernel((min(M, MAX_BLOCKS),), (ROW_THREADS,),
                (xp.ascontiguousarray(x), codes, scale, np.int64(M), np.int64(K), np.int32(qmax)))
     return codes, scale

@@ -7,6 +7,7 @@ Siblings: ``__init__.py`` (validation, packing through ``lowbit.pack_bits``), ``
 import numpy as np
 
 from ... import _backend
+from ..pack_bits import _numpy as _pack_bits_numpy
 
 EPS = 1e-5
 _BITS = {"ternary": 2, "sign": 1}
@@ -48,11 +49,7 @@ def unpack_weight(data, format, K):
     if format == "int8":
         out[...] = data
         return out
-    bits = _BITS[format]
-    per = 8 // bits
-    shifts = (xp.arange(per, dtype=np.uint8) * bits).astype(np.uint8)
-    stored = ((data[:, :, None] >> shifts) & np.uint8((1 << bits) - 1)).reshape(
-        data.shape[0], -1)[:, :K].astype(np.int8)
+    stored = _pack_bits_numpy.unpack_bits(data, _BITS[format], K).view(np.int8)
     out[...] = stored - 1 if format == "ternary" else 2 * stored - 1
     return out
 

@@ -12,12 +12,11 @@ import numpy as np
 from ... import _backend, _kernels
 
 SOURCE = "saved_activation.cu"
-_DTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 NAME_EXPRESSIONS = (
-    tuple(f"pack_dense<{t}, {bits}>" for t in _DTYPES.values() for bits in (2, 4, 8))
+    tuple(f"pack_dense<{t}, {bits}>" for t in _kernels.CTYPE.values() for bits in (2, 4, 8))
     + tuple(f"unpack_dense<{bits}>" for bits in (2, 4, 8))
-    + tuple(f"sparse_count<{t}>" for t in _DTYPES.values())
-    + tuple(f"sparse_gather<{t}>" for t in _DTYPES.values())
+    + tuple(f"sparse_count<{t}>" for t in _kernels.CTYPE.values())
+    + tuple(f"sparse_gather<{t}>" for t in _kernels.CTYPE.values())
     + ("sparse_quantize", "sparse_popcount", "sparse_scatter")
 )
 #: Largest block; also the mask bytes of one sparse chunk, so pack and unpack chunk alike.
@@ -59,7 +58,7 @@ def pack_dense(x, bits, nonneg, group_size, stochastic, key):
     status = _backend.empty((rows, groups), np.uint8, xp)
     per_task = _groups_per_task(group_size, bits)
     tasks = rows * -(-groups // per_task)
-    kernel = _kernel(f"pack_dense<{_DTYPES[x.dtype]}, {bits}>", x)
+    kernel = _kernel(f"pack_dense<{_kernels.CTYPE[x.dtype]}, {bits}>", x)
     kernel(_grid(tasks), _block(min(group_size, n)),
            (x, codes, scales, mins, status, np.int64(rows), np.int64(n), np.int64(row_bytes),
             np.int64(groups), np.int64(group_size), np.int64(per_task), np.int32(nonneg),
@@ -100,7 +99,7 @@ def pack_sparse(flat, group_size, stochastic, key):
     mask = _backend.empty((mask_bytes,), np.uint8, xp)
     counts = _backend.empty((chunks,), np.int64, xp)
     status = _backend.empty((chunks,), np.uint8, xp)
-    dtype = _DTYPES[flat.dtype]
+    dtype = _kernels.CTYPE[flat.dtype]
     _kernel(f"sparse_count<{dtype}>", flat)(
         _grid(chunks), (THREADS,), (flat, mask, counts, status, np.int64(size)))
     offsets, nnz = _chunk_offsets(counts, xp)

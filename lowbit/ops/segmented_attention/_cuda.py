@@ -14,11 +14,10 @@ from ... import _backend, _kernels
 SOURCE = "segmented_attention.cu"
 #: Feature elements each lane holds in registers: D and Dv up to 32 * CHUNK.
 CHUNKS = (1, 2, 4)
-_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 NAME_EXPRESSIONS = tuple(
     f"segmented_attention_{kind}<{ctype}, {chunk}>"
-    for kind in ("fwd", "bwd_dq", "bwd_dkdv") for ctype in _TYPES.values() for chunk in CHUNKS
-) + tuple(f"segmented_attention_bwd_delta<{ctype}>" for ctype in _TYPES.values())
+    for kind in ("fwd", "bwd_dq", "bwd_dkdv") for ctype in _kernels.CTYPE.values() for chunk in CHUNKS
+) + tuple(f"segmented_attention_bwd_delta<{ctype}>" for ctype in _kernels.CTYPE.values())
 # Mirrors of the constants in segmented_attention.cu.
 THREADS = 128
 BLOCK_ROWS = 8
@@ -46,7 +45,7 @@ def _tables(offsets, xp):
 
 
 def _function(kind, like, dtype, chunk=None):
-    name = f"segmented_attention_{kind}<{_TYPES[np.dtype(dtype)]}"
+    name = f"segmented_attention_{kind}<{_kernels.CTYPE[np.dtype(dtype)]}"
     name += ">" if chunk is None else f", {chunk}>"
     return _kernels.module(SOURCE, NAME_EXPRESSIONS, like).get_function(name)
 

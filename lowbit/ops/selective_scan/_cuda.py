@@ -14,22 +14,10 @@ NAME_EXPRESSIONS = tuple(f"selective_{kind}<{ctype}>" for kind in ("fwd", "bwd")
                          for ctype in ("float", "double"))
 #: Lanes per block (one warp); must match kLanes in the kernel.
 LANES = 32
-_CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
-#: Dynamic shared memory a block may use without an opt-in attribute on every CUDA GPU.
-MAX_SHARED_BYTES = 48 * 1024
-
-
-def _shared(nbytes, what):
-    """Check a block's state buffer fits in shared memory; return its size."""
-    if nbytes > MAX_SHARED_BYTES:
-        raise ValueError(f"{what} needs {nbytes} bytes of shared memory per block, more than the "
-                         f"{MAX_SHARED_BYTES} the CUDA kernel may use; use a smaller state or "
-                         "the numba backend")
-    return nbytes
 
 
 def _kernel(name, like):
-    expression = f"selective_{name}<{_CTYPE[like.dtype]}>"
+    expression = f"selective_{name}<{_kernels.CTYPE[like.dtype]}>"
     return _kernels.module(SOURCE, NAME_EXPRESSIONS, like).get_function(expression)
 
 
@@ -53,7 +41,7 @@ def selective_scan_forward(x, B, C, dt, dt_bias, A_log, D, initial_state, dt_flo
                            np.int64(nt), np.int32(nh), np.int32(npp), np.int32(nn),
                            x.dtype.type(dt_floor), np.int32(chunk_size),
                            np.int32(-(-nt // chunk_size)), np.int32(keep_checkpoints)),
-                          shared_mem=_shared(_rows_per_lane(npp) * nn * LANES * x.itemsize,
+                          shared_mem=_kernels.check_shared(_rows_per_lane(npp) * nn * LANES * x.itemsize,
                                              f"P={npp}, N={nn} ({x.dtype})"))
     return out, final, (checkpoints if keep_checkpoints else None)
 
@@ -79,7 +67,7 @@ def selective_scan_backward(x, B, C, dt, dt_bias, A_log, D, checkpoints, dout, d
                            np.int64(nt), np.int32(nh), np.int32(npp), np.int32(nn),
                            x.dtype.type(dt_floor), np.int32(chunk_size),
                            np.int32(checkpoints.shape[2])),
-                          shared_mem=_shared(
+                          shared_mem=_kernels.check_shared(
                               _rows_per_lane(npp) * (2 * nn + 1) * LANES * x.itemsize,
                               f"the backward at P={npp}, N={nn} ({x.dtype})"))
     ddt_bias, dA_log, dD = (r.sum(axis=0) for r in rows)
