@@ -74,8 +74,15 @@ def threads() -> dict:
     return out
 
 
+#: Pause before timing a case: OpenBLAS's worker threads keep spinning for a while after a BLAS
+#: call and, on a small machine, would take a core from the next case's Numba threads (measured
+#: here: a packed GEMV timed right after NumPy's went from 0.28 ms to 0.5-13 ms).
+SETTLE_S = 0.3
+
+
 def time_cpu(fn, repeats: int, min_time_s: float) -> float:
     """Median seconds of ``fn()``, each sample long enough to be above timer noise."""
+    time.sleep(SETTLE_S)
     fn()  # warm-up: JIT compilation, caches
     start = time.perf_counter_ns()
     fn()

@@ -81,6 +81,33 @@ def test_exact_at_largest_codes(backend, format):
     assert_equal("y", packed_matmul_ref(x, to_numpy(pw.data), to_numpy(pw.scale), format, K), y)
 
 
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("saturated", [None, "all", "half"])
+def test_gemm_rows_of_mixed_magnitude(backend, rng, format, saturated):
+    """GEMM rows (M > 8) with one row of largest codes, over all of K or its second half only.
+
+    The numba GEMM plans its exact float64 fields from the row L1 norms of the activation codes
+    per K chunk: typical rows fit one chunk over K, a saturated row forces shorter chunks or fewer
+    fields. N = 3 p + 1 and 3 p + 2 leave a partly filled field group (N = 1: one column only).
+    """
+    if backend.name == "cudasim":
+        pytest.skip("GEMM field planning is CPU-only; cudasim covers its own tiles elsewhere")
+    M, K = 12, 2499
+    for N in (1, 2, 7, 8, 9):
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        if saturated == "all":
+            x[5] = np.where(np.arange(K) % 2, 1.0, -1.0)
+        elif saturated == "half":
+            x[5, : K // 2] = 1e-3
+            x[5, K // 2:] = 1.0
+        w = rng.standard_normal((K, N)).astype(np.float32)
+        w[:, N - 1] = np.sign(x[5])  # its sum with row 5 reaches the plan's bound
+        pw = _packed(backend, w, format)
+        y = lowbit.packed_matmul(backend.to(x), pw, "int8")
+        ref = packed_matmul_ref(x, to_numpy(pw.data), to_numpy(pw.scale), format, K)
+        assert_equal(f"y {format} {saturated} N={N}", ref, y)
+
+
 def test_deterministic(backend, rng):
     x, w = _data(rng, *_shapes(backend)[-1])
     pw = _packed(backend, w, "sign")
