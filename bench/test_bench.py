@@ -16,7 +16,7 @@ def _cases():
                 yield pytest.param(case, id=f"{suite}/{case.name}")
 
 
-@pytest.mark.parametrize("case", _cases())
+@pytest.mark.parametrize("case", list(_cases()))
 def test_case(benchmark, case):
     if case.check is not None:
         case.check()

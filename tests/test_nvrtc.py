@@ -76,7 +76,7 @@ def _op_launchers():
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("launcher", _op_launchers())
+@pytest.mark.parametrize("launcher", list(_op_launchers()))
 def test_every_op_kernel_compiles_without_spills(launcher, arch):
     from lowbit import _kernels
 
