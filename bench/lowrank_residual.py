@@ -150,10 +150,11 @@ def run_step(inputs, saved, plan, threshold, config):
 
 
 def _warm_up(plan, config):
-    """One tiny step per policy, so that no measured step pays for JIT compilation (whose
-    Python objects tracemalloc would count) or kernel loading."""
+    """One small step per policy, so that no measured step pays for JIT compilation (whose
+    Python objects tracemalloc would count) or kernel loading. Big enough (B*H*T*N above 2**18)
+    that the kernels take the same multi-threaded paths as the measured step."""
     rng = np.random.default_rng(2)
-    B, T, D, H, N = 1, 8, 16, 2, 32
+    B, T, D, H, N = 1, 256, 32, 2, 1024
     xp = _xp(config)
     inputs = tuple(xp.asarray(rng.standard_normal(s).astype(np.float32))
                    for s in ((B, T, D), (H, D, N), (H, D, N), (H * N, D), (B, T, D)))
