@@ -389,3 +389,13 @@ def test_saved_config_validation():
         lowbit.SavedConfig(rounding="down")
     with pytest.raises(TypeError, match="seed"):
         lowbit.SavedConfig(seed=1.5)
+
+
+def test_sparse_policy_saves_signed_tensors_at_int8(rng):
+    """Through the choke point, the "sparse" policy keeps a tensor of any sign at int8 (as the
+    int8 policy would) and a non-negative one in the sparse format."""
+    x = rng.standard_normal((4, 300)).astype(np.float32)
+    signed = _ctx.save(x, "sparse")
+    assert signed.format == "int8"
+    np.testing.assert_array_equal(signed.unpack(), _ctx.save(x, "int8").unpack())
+    assert _ctx.save(np.maximum(x, 0), "sparse", kind="nonneg").format == "sparse"

@@ -176,15 +176,6 @@ def _saved(saved):
     return saved
 
 
-def _values_policy(saved):
-    """The policy for tensors of any sign: int8 where the layer's policy is "sparse"."""
-    if saved is None:
-        return None
-    if isinstance(saved, str):
-        return "int8" if saved == "sparse" else saved
-    return dataclasses.replace(saved, format="int8") if saved.format == "sparse" else saved
-
-
 def _check(current, encoder, encoder_v, decoder, attention, lengths, plan, saved,
            relu_threshold, dropout, seed):
     current = _validate.as_array(current, "current")
@@ -384,7 +375,6 @@ def _forward(current, encoder, encoder_v, decoder, attention, lengths, plan, sav
     current, encoder, encoder_v, decoder = map(f32, (current, encoder, encoder_v, decoder))
     B, T, D = current.shape
     H, _, N = encoder.shape
-    values = _values_policy(saved)
     thr = np.float32(relu_threshold)
     stage = functools.partial(_profile.stage, "forward", like=current)
     packed = _quantize_weights(plan, encoder, encoder_v, decoder)
@@ -420,7 +410,7 @@ def _forward(current, encoder, encoder_v, decoder, attention, lengths, plan, sav
         if keep:
             saved_x.append(save(x_neuron, saved, kind="nonneg"))
             saved_y.append(save(y_gate, saved, kind="nonneg"))
-            saved_a.append(save(a, values))
+            saved_a.append(save(a, saved))
             saved_am.append(save(a_mean, None))
             saved_ar.append(save(a_rstd, None))
         del x_neuron, y_gate, a
@@ -453,9 +443,9 @@ def _forward(current, encoder, encoder_v, decoder, attention, lengths, plan, sav
     ctx = LowrankResidualCtx(
         shape=(B, T, D, H, N), attention=attention, lengths=lengths, plan=plan,
         relu_threshold=relu_threshold, dropout=dropout, seed=seed, encoder=encoder,
-        encoder_v=encoder_v, decoder=decoder, packed=packed, current=save(current, values),
+        encoder_v=encoder_v, decoder=decoder, packed=packed, current=save(current, saved),
         x_neuron=saved_x, y_gate=saved_y, attn=saved_a, attn_mean=saved_am, attn_rstd=saved_ar,
-        mlp=save(mlp, values), mlp_mean=save(m_mean, None), mlp_rstd=save(m_rstd, None),
+        mlp=save(mlp, saved), mlp_mean=save(m_mean, None), mlp_rstd=save(m_rstd, None),
         out_mean=save(o_mean, None), out_rstd=save(o_rstd, None))
     return out, ctx
 

@@ -295,10 +295,14 @@ def save_activation(x, saved, kind="values") -> Saved:
         x: the array to keep; a boolean array when ``kind="mask"``.
         saved: a format string or a ``SavedConfig``.
         kind: ``"values"``, ``"nonneg"`` or ``"mask"`` (booleans, packed at 1 bit whatever the
-            format).
+            format). Under the ``"sparse"`` policy, ``"values"`` tensors are saved at int8.
     """
     config = _config(saved)
     if kind == "mask":
         return pack_mask(x)
+    if config.format == "sparse" and kind == "values":
+        # As a policy, "sparse" stores post-ReLU tensors sparsely and tensors of any sign at
+        # int8 (the sparse format needs the zero pattern of a non-negative tensor).
+        config = dataclasses.replace(config, format="int8")
     return pack_activation(x, config.format, kind=kind, group_size=config.group_size,
                            rounding=config.rounding, seed=config.seed)
