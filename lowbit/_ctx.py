@@ -128,7 +128,8 @@ class MemoryReport:
         lines.append(("total", "", "", f"{self.nbytes:,}", f"{self.dense_nbytes:,}", ratio))
         widths = [max(len(str(x[i])) for x in [header] + lines) for i in range(len(header))]
         fmt = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths))  # noqa: E731
-        return "\n".join([fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in lines])
+        rule = "  ".join("-" * w for w in widths)
+        return "\n".join([fmt(header), rule] + [fmt(r) for r in lines])
 
 
 def memory_report(ctx) -> MemoryReport:

@@ -46,7 +46,9 @@ def backend_unavailable_reason(name: str) -> str | None:
     if name == "numpy":
         return None
     if name == "numba":
-        return None if _backend.numba_available() else f"numba is not installed: {_HOW_TO_GET[name]}"
+        if _backend.numba_available():
+            return None
+        return f"numba is not installed: {_HOW_TO_GET[name]}"
     if name == "cudasim":
         from . import _cudasim
 

@@ -26,11 +26,13 @@ def assert_close(name, ref, out, rtol, atol=0.0):
     assert ref.shape == out.shape, f"{name}: shape {out.shape}, expected {ref.shape}"
     if ref.size == 0:
         return
-    assert np.isfinite(out).all(), f"{name}: {np.count_nonzero(~np.isfinite(out))} non-finite values"
+    bad = np.count_nonzero(~np.isfinite(out))
+    assert bad == 0, f"{name}: {bad} non-finite values"
     err = np.abs(out - ref)
     max_abs = float(err.max())
     norm = float(np.sqrt(np.mean(ref**2)))
-    rel_rms = float(np.sqrt(np.mean(err**2)) / norm) if norm > 0 else float(np.sqrt(np.mean(err**2)))
+    rms = float(np.sqrt(np.mean(err**2)))
+    rel_rms = rms / norm if norm > 0 else rms
     bound = atol + rtol * float(np.abs(ref).max())
     assert rel_rms <= rtol and max_abs <= bound, (
         f"{name}: max abs error {max_abs:.3e} (bound {bound:.3e}), "

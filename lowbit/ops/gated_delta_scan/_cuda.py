@@ -42,7 +42,8 @@ def gated_delta_scan_forward(q, k, v, log_decay, beta, initial_state, chunk_size
         _kernel("fwd", q)((nb * nh, -(-nv // LANES)), (LANES,),
                           (q, k, v, log_decay, beta, initial_state, out, final, checkpoints,
                            *_dims(q, v, log_decay, chunk_size), np.int32(keep_checkpoints)),
-                          shared_mem=_kernels.check_shared(nk * LANES * q.itemsize, f"K={nk} ({q.dtype})"))
+                          shared_mem=_kernels.check_shared(nk * LANES * q.itemsize,
+                                                           f"K={nk} ({q.dtype})"))
     return out, final, (checkpoints if keep_checkpoints else None)
 
 

@@ -35,13 +35,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import math
 
 import numpy as np
 
 from ... import _backend, _dispatch, _profile, _validate
 from ..._ctx import Ctx, save
+from ..packed_matmul import packed_matmul
+from ..quantize import fake_quantize_activation, quantize_weight
+from ..segmented_attention import (segmented_attention, segmented_attention_backward,
+                                   segmented_attention_forward)
 
 OP = "lowrank_residual"
 ATTENTIONS = ("causal_linear", "segmented")
@@ -261,40 +264,16 @@ def _dropout_scale(shape, h, H, p, seed, xp, rows=slice(None)):
     return keep.astype(np.float32) * np.float32(1.0 / (1.0 - p))
 
 
-#: Where the functions this layer composes live (the ops of the other issues).
-_PROVIDERS = {
-    "quantize_weight": "quantize",
-    "fake_quantize_activation": "quantize",
-    "packed_matmul": "packed_matmul",
-    "segmented_attention": "segmented_attention",
-    "segmented_attention_forward": "segmented_attention",
-    "segmented_attention_backward": "segmented_attention",
-}
-
-
-def _require(name):
-    """The composed op ``name`` from its ``lowbit.ops`` package; a clear error if it is missing."""
-    try:
-        module = importlib.import_module(f"lowbit.ops.{_PROVIDERS[name]}")
-        return getattr(module, name)
-    except (ImportError, AttributeError) as exc:
-        raise NotImplementedError(
-            f"this configuration needs lowbit.{name} (lowbit/ops/{_PROVIDERS[name]}), which is "
-            f"not available: {exc}") from exc
-
-
 def _quantize_weights(plan, encoder, encoder_v, decoder):
     """Quantized forms of the weights the plan asks for: {name: PackedWeight or list}."""
     packed = {}
     wx, wy, wr = plan.x[0], plan.y[0], plan.residual[0]
     if wx is not None:
-        qw = _require("quantize_weight")
-        packed["encoder"] = [qw(encoder[h], wx) for h in range(encoder.shape[0])]
+        packed["encoder"] = [quantize_weight(encoder[h], wx) for h in range(encoder.shape[0])]
     if wy is not None:
-        qw = _require("quantize_weight")
-        packed["encoder_v"] = [qw(encoder_v[h], wy) for h in range(encoder_v.shape[0])]
+        packed["encoder_v"] = [quantize_weight(encoder_v[h], wy) for h in range(encoder_v.shape[0])]
     if wr is not None:
-        packed["decoder"] = _require("quantize_weight")(decoder, wr)
+        packed["decoder"] = quantize_weight(decoder, wr)
     return packed
 
 
@@ -306,9 +285,9 @@ def _project(x, w, pw, act):
         act: activation format or None.
     """
     if pw is not None:
-        return _require("packed_matmul")(x, pw, act_format=act)
+        return packed_matmul(x, pw, act_format=act)
     if act is not None:
-        x = _require("fake_quantize_activation")(x, act)
+        x = fake_quantize_activation(x, act)
     return x @ w
 
 
@@ -319,7 +298,7 @@ def _project_backward(dy, x, w, pw, act):
     input as recovered from the ctx.
     """
     wq = pw.dequantize() if pw is not None else w
-    xq = _require("fake_quantize_activation")(x, act) if act is not None else x
+    xq = fake_quantize_activation(x, act) if act is not None else x
     K, N = wq.shape
     dw = xq.reshape(-1, K).T @ dy.reshape(-1, N)
     return dy @ wq.T, dw
@@ -460,7 +439,7 @@ def _seg_args(x_neuron, current, lengths):
 def _softmax_attention(x_neuron, current, lengths):
     """Causal softmax attention with q = k = x_neuron through lowbit.segmented_attention."""
     q, v, tiled, scale = _seg_args(x_neuron, current, lengths)
-    out = _require("segmented_attention")(q, q, v, tiled, scale=scale, causal=True)
+    out = segmented_attention(q, q, v, tiled, scale=scale, causal=True)
     return out.reshape(current.shape)
 
 
@@ -644,8 +623,8 @@ def _product(ctx, h, xp):
 def _softmax_attention_backward(da, x_neuron, current, lengths):
     """Gradients (dx_neuron, dcurrent) of ``_softmax_attention``; recomputes its forward."""
     q, v, tiled, scale = _seg_args(x_neuron, current, lengths)
-    _, actx = _require("segmented_attention_forward")(q, q, v, tiled, scale=scale, causal=True)
-    dq, dk, dv = _require("segmented_attention_backward")(da.reshape(v.shape[0], 1, -1), actx)
+    _, actx = segmented_attention_forward(q, q, v, tiled, scale=scale, causal=True)
+    dq, dk, dv = segmented_attention_backward(da.reshape(v.shape[0], 1, -1), actx)
     dq += dk
     return dq.reshape(x_neuron.shape), dv.reshape(current.shape)
 

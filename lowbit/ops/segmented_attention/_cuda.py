@@ -16,7 +16,8 @@ SOURCE = "segmented_attention.cu"
 CHUNKS = (1, 2, 4)
 NAME_EXPRESSIONS = tuple(
     f"segmented_attention_{kind}<{ctype}, {chunk}>"
-    for kind in ("fwd", "bwd_dq", "bwd_dkdv") for ctype in _kernels.CTYPE.values() for chunk in CHUNKS
+    for kind in ("fwd", "bwd_dq", "bwd_dkdv") for ctype in _kernels.CTYPE.values()
+    for chunk in CHUNKS
 ) + tuple(f"segmented_attention_bwd_delta<{ctype}>" for ctype in _kernels.CTYPE.values())
 # Mirrors of the constants in segmented_attention.cu.
 THREADS = 128

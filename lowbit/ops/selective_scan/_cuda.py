@@ -41,8 +41,9 @@ def selective_scan_forward(x, B, C, dt, dt_bias, A_log, D, initial_state, dt_flo
                            np.int64(nt), np.int32(nh), np.int32(npp), np.int32(nn),
                            x.dtype.type(dt_floor), np.int32(chunk_size),
                            np.int32(-(-nt // chunk_size)), np.int32(keep_checkpoints)),
-                          shared_mem=_kernels.check_shared(_rows_per_lane(npp) * nn * LANES * x.itemsize,
-                                             f"P={npp}, N={nn} ({x.dtype})"))
+                          shared_mem=_kernels.check_shared(
+                              _rows_per_lane(npp) * nn * LANES * x.itemsize,
+                              f"P={npp}, N={nn} ({x.dtype})"))
     return out, final, (checkpoints if keep_checkpoints else None)
 
 
