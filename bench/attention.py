@@ -10,7 +10,11 @@ shrinks it to T = 1024 in segments of 64 to 256):
   FlashAttention's count (forward ``4 * sum(L**2) * H * D``, backward 2.5x that) and the bytes of
   what each side keeps for its backward (the NumPy side holds every ``L x L`` probability);
 - torch's CPU ``scaled_dot_product_attention`` per segment, forward and forward + backward, when
-  torch is installed.
+  torch is installed;
+- the ceiling: one square NumPy float32 matmul (BLAS sgemm near this CPU's FMA peak) with the
+  FLOPs of the forward, and one with those of the backward, each against the NumPy baseline. No
+  exact fp32 attention can beat these ratios by much: they bound what the targets can reach on
+  the machine that runs the suite.
 
 With ``--gpu``: the cuda backend at T = 65536 (TFLOP/s = GFLOP/s / 1000 in the table).
 Numba runs with 2 threads (or fewer where fewer exist); the table prints the counts.
@@ -207,3 +211,10 @@ def cases(config: Config):
                baseline="fwd+bwd numpy per-segment", flops=3.5 * fwd_flops, info=shape)
     yield from _torch_cases(q, k, v, dout, offsets, fwd_flops,
                             ("fwd numpy per-segment", "fwd+bwd numpy per-segment"))
+    for step, flops in (("fwd", fwd_flops), ("bwd", 2.5 * fwd_flops)):
+        n = round((flops / 2) ** (1 / 3))
+        a, b = (np.random.default_rng(3).standard_normal((n, n)).astype(np.float32)
+                for _ in range(2))
+        yield Case(SUITE, f"{step} FLOPs as one sgemm (ceiling)", fn=lambda a=a, b=b: a @ b,
+                   baseline=f"{step} numpy per-segment", flops=2.0 * n**3,
+                   info={"shape": f"{n}x{n}x{n}"})

@@ -6,8 +6,9 @@ Op: ``lowbit/ops/packed_matmul`` (formats in ``lowbit/ops/quantize``); reference
 - GEMV, one row, K = N = 4096: NumPy float32 ``x @ W`` (baseline), the packed GEMV (target 5x),
   the same call against a NumPy copy of the packed bytes (target 0.5: at least half the copy
   roofline; the ratio is copy time over GEMV time for the same number of bytes, and both GB/s
-  columns count those bytes once, the copy's writes not included), and the two Numba GEMV
-  variants (plane decode, lookup table) side by side;
+  columns count those bytes once, the copy's writes not included; the ``kernel`` column says
+  whether the AVX-512 VNNI kernels ran, here and in the GEMM rows), and the two portable Numba GEMV variants (plane decode,
+  lookup table) side by side;
 - GEMM, M = 256: NumPy float32 matmul (baseline), packed GEMM (target 1.0), with the weight bytes
   of both;
 - the straight-through linear layer's backward against its NumPy float32 equivalent;
@@ -63,6 +64,14 @@ def _check_exact(xp, backend, x, pw, y):
     np.testing.assert_array_equal(_host(y), ref)
 
 
+def _kernel(backend):
+    """Which numba integer kernels (GEMV and GEMM) the auto/numba rows run."""
+    if backend not in (None, "numba") or "numba" not in lowbit.available_backends():
+        return "-"
+    from lowbit.ops.packed_matmul import _numba
+    return "vnni" if _numba.USE_VNNI else "portable"
+
+
 def _torch_cases(x, w, prefix, baseline):
     try:
         import torch
@@ -112,7 +121,8 @@ def cases(config: Config):
             _check_small(np, backend, fmt, "int8", 1)
             _check_exact(np, backend, x1, p, fn())
 
-        info = {"shape": f"1x{K}x{N}", "format": f"{fmt}/int8", "weight B": p.nbytes}
+        info = {"shape": f"1x{K}x{N}", "format": f"{fmt}/int8", "weight B": p.nbytes,
+                "kernel": _kernel(backend)}
         yield Case(SUITE, f"gemv {fmt} {label}", fn=fn, check=check, baseline="gemv numpy f32",
                    target=5.0 if fmt == "ternary" else None, nbytes=p.nbytes,
                    flops=2.0 * K * N, info=info)
@@ -122,10 +132,10 @@ def cases(config: Config):
     if backend in (None, "numba"):
         from lowbit.ops.packed_matmul import _numba
         codes = lowbit.quantize_activation(x1).codes
-        yield Case(SUITE, "gemv kernel plane-decode", fn=lambda: _numba._gemv_acc(
+        yield Case(SUITE, "gemv kernel portable plane-decode", fn=lambda: _numba._gemv_acc(
             codes, pw.data, "ternary"), baseline="copy packed bytes", nbytes=pw.data.nbytes,
             info={"format": "ternary/int8"})
-        yield Case(SUITE, "gemv kernel lookup-table", fn=lambda: _numba.gemv_lut(
+        yield Case(SUITE, "gemv kernel portable lookup-table", fn=lambda: _numba.gemv_lut(
             codes, pw.data, K), baseline="copy packed bytes", nbytes=pw.data.nbytes,
             check=lambda: np.testing.assert_array_equal(
                 _numba.gemv_lut(codes, pw.data, K), _numba._gemv_acc(codes, pw.data, "ternary")),
@@ -148,6 +158,7 @@ def cases(config: Config):
                    baseline="gemm numpy f32", target=1.0 if (fmt, act) == ("ternary", "int8")
                    else None, flops=2.0 * M * K * N,
                    info={"shape": f"{M}x{K}x{N}", "format": f"{fmt}/{act}", "weight B": p.nbytes,
+                         "kernel": _kernel(backend) if act else "-",
                          "weight saving": round(w.nbytes / p.nbytes, 1)})
     yield from _torch_cases(xm, w, "gemm", "gemm numpy f32")
 

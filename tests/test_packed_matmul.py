@@ -84,14 +84,23 @@ def test_exact_at_largest_codes(backend, format):
 
 @pytest.mark.parametrize("format", FORMATS)
 @pytest.mark.parametrize("saturated", [None, "all", "half"])
-@pytest.mark.parametrize("name", ["numpy", "numba"])
-def test_gemm_rows_of_mixed_magnitude(name, rng, format, saturated):
+@pytest.mark.parametrize("name,vnni", [("numpy", False), ("numba", True), ("numba", False)],
+                         ids=["numpy", "numba-vnni", "numba-portable"])
+def test_gemm_rows_of_mixed_magnitude(monkeypatch, name, vnni, rng, format, saturated):
     """GEMM rows (M > 8) with one row of largest codes, over all of K or its second half only.
 
-    The numba GEMM plans its exact float64 fields from the row L1 norms of the activation codes
-    per K chunk: typical rows fit one chunk over K, a saturated row forces shorter chunks or fewer
-    fields. N = 3 p + 1 and 3 p + 2 leave a partly filled field group (N = 1: one column only).
+    The portable numba GEMM plans its exact float64 fields from the row L1 norms of the
+    activation codes per K chunk: typical rows fit one chunk over K, a saturated row forces
+    shorter chunks or fewer fields. N = 3 p + 1 and 3 p + 2 leave a partly filled field group
+    (N = 1: one column only). The VNNI GEMM sees M = 12 = two whole 6-row tiles and a partial
+    64-column panel; K = 2499 is not a multiple of 4.
     """
+    from lowbit import _simd
+    from lowbit.ops.packed_matmul import _numba
+
+    if vnni and not _simd.AVAILABLE:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    monkeypatch.setattr(_numba, "USE_VNNI", vnni)
     M, K = 12, 2499
     for N in (1, 2, 7, 8, 9):
         x = rng.standard_normal((M, K)).astype(np.float32)
@@ -107,6 +116,36 @@ def test_gemm_rows_of_mixed_magnitude(name, rng, format, saturated):
             y = lowbit.packed_matmul(x, pw, "int8")
         ref = packed_matmul_ref(x, to_numpy(pw.data), to_numpy(pw.scale), format, K)
         assert_equal(f"y {format} {saturated} N={N}", ref, y)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("vnni", [pytest.param(True, id="vnni"),
+                                  pytest.param(False, id="portable")])
+def test_numba_gemv_kernels(monkeypatch, rng, format, vnni):
+    """Both numba GEMV kernels (AVX-512 VNNI and the portable loops) against the reference.
+
+    K is chosen around the VNNI blocks (64, 128 and 256 packed bytes a loop iteration) so that
+    whole blocks, tails and rows shorter than one block all occur; the last case has every code
+    at its largest magnitude with alternating signs.
+    """
+    from lowbit import _simd
+    from lowbit.ops.packed_matmul import _numba
+
+    if vnni and not _simd.AVAILABLE:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    monkeypatch.setattr(_numba, "USE_VNNI", vnni)
+    cases = [(1, 1, 3), (3, 37, 5), (8, 511, 4), (2, 513, 3), (1, 1031, 7), (5, 4096, 2),
+             (1, 4096 + 257, 3)]
+    for i, (M, K, N) in enumerate(cases):
+        x, w = _data(rng, M, K, N)
+        if i == len(cases) - 1:
+            x = np.where(np.arange(K) % 2, 1.0, -1.0).astype(np.float32)[None]
+            w = np.ones((K, N), dtype=np.float32)
+        pw = _packed(Backend("numba"), w, format)
+        with lowbit.use_backend("numba"):
+            y = lowbit.packed_matmul(x, pw, "int8")
+        ref = packed_matmul_ref(x, to_numpy(pw.data), to_numpy(pw.scale), format, K)
+        assert_equal(f"y {M}x{K}x{N}", ref, y)
 
 
 def test_deterministic(backend, rng):

@@ -103,6 +103,20 @@ def test_activation_ties_and_zero_rows(backend):
     assert_equal("scale", scale, q.scale)
 
 
+def test_activation_quotients_in_input_dtype(backend):
+    """A float32 scale that is not exact: x / scale is a tie in float32 but not against the
+    unrounded scale, so a backend that formed the scale in float64 would round 0.5 s to 1."""
+    big = np.nextafter(np.float32(127 / 32), np.float32(np.inf))
+    s = big / np.float32(127)
+    assert s != np.float32(1 / 32) and float(s) != float(big) / 127  # the premise
+    x = np.array([[big, 25.5 * s, -25.5 * s, 0.5 * s, 1.5 * s, -0.5 * s]], dtype=np.float32)
+    q = lowbit.quantize_activation(backend.to(x))
+    codes, scale = quantize_activation_ref(x)
+    assert_equal("codes", np.array([[127, 26, -26, 0, 2, 0]], np.int8), codes)
+    assert_equal("codes", codes, q.codes)
+    assert_equal("scale", scale, q.scale)
+
+
 def test_fake_quantize(backend, rng):
     w = rng.standard_normal((37, 5)).astype(np.float32)
     x = rng.standard_normal((3, 37)).astype(np.float64)

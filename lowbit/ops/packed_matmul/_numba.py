@@ -3,15 +3,28 @@
 Siblings: ``__init__.py``, ``_numpy.py``, ``_cuda.py``; reference ``reference/packed_matmul.py``;
 benchmark ``bench/matmul.py`` (which also times the GEMV variants against each other).
 
-GEMV (few rows): each packed weight byte is read once and its 2-bit (1-bit) fields are multiplied
-with int16 "planes" of the activation codes, ``plane[j][g] = codes_x[per * g + j]``, so that the
-inner loop runs over contiguous bytes and vectorizes. With stored codes ``c`` (ternary ``code +
-1``, sign the bit) the loop sums ``raw = sum codes_x * c`` and the signed result follows from the
-row sum of the codes: ternary ``acc = raw - sum(codes_x)``, sign ``acc = 2 raw - sum(codes_x)``.
-A lookup-table variant (``gemv_lut``: per group of 4 activations, the 256 sums a ternary byte can
-select) is kept for the benchmark's comparison.
+GEMV (few rows): each packed weight byte is read once. On CPUs with AVX-512 VNNI (``USE_VNNI``)
+the kernel is ``_gemv_vnni``: per 64 packed bytes, each 2-bit (1-bit) field is masked out in place
+and multiplied with an int8 "plane" of the activation codes, ``plane[j][g] = codes_x[per * g +
+j]``, by one ``vpdpbusd`` (``lowbit/_simd.py``), and the scales are applied in the same pass
+(measured 0.12 ms for 1 x 4096 x 4096 ternary, 2.4x the portable loop). Elsewhere the portable
+kernels (``_gemv_acc``) do the same with int16 planes in plain loops that LLVM vectorizes. With
+stored codes ``c`` (ternary ``code + 1``, sign the bit) both sum ``raw = sum codes_x * c`` and
+the signed result follows from the row sum of the codes: ternary ``acc = raw - sum(codes_x)``,
+sign ``acc = 2 raw - sum(codes_x)``; int8 weights become the unsigned operand with their sign
+bit flipped, ``acc = raw - 128 sum(codes_x)``. A lookup-table variant (``gemv_lut``: per group
+of 4 activations, the 256 sums a ternary byte can select) is kept for the benchmark's
+comparison.
 
-GEMM (more rows): integer products are computed exactly in float64 BLAS. Up to three columns of
+GEMM (more rows), with VNNI: ``_gemm_vnni`` spreads the codes of each panel of 64 output columns
+to one byte each, four consecutive K to a 32-bit word (ternary through a 256-entry table, sign a
+16-entry one, int8 with the sign bit flipped), and runs a register tile of 6 rows x 64 columns of
+int32 accumulators over all of K: per four K, four weight vectors and one broadcast word per row
+feed 24 ``vpdpbusd``. Exact int32 accumulation; measured 11.9 ms for M = 256, K = N = 4096
+(3.8x NumPy float32 matmul, 3.2x the float64-field BLAS path below, which remains the GEMM on CPUs
+without VNNI).
+
+GEMM (more rows), portable: integer products are computed exactly in float64 BLAS. Up to three columns of
 decoded weight codes are packed into one float64, ``w0 + 2^s w1 + 2^2s w2``; each dot product
 with activation codes then carries three integer results in separate bit fields. Over a K chunk
 whose partial sums stay below ``2^(s-1)`` in magnitude and whose packed total stays below 2^53,
@@ -38,8 +51,11 @@ import threading
 import numba
 import numpy as np
 
-from ... import _backend
+from ... import _backend, _simd
 
+#: Whether the GEMV and GEMM use the AVX-512 VNNI kernels (the CPU has them); the portable
+#: loops and the float64 BLAS GEMM otherwise.
+USE_VNNI = _simd.AVAILABLE
 #: Rows at or below which the GEMV kernels run instead of the BLAS GEMM.
 GEMV_MAX_ROWS = 8
 #: Output columns decoded per float32 BLAS tile in ``matmul_float`` (the tile stays in L2/L3).
@@ -201,8 +217,69 @@ def _lut_gemv2(codes_x, data, out):
             out[m, n] = acc
 
 
+# VNNI GEMV: one vpdpbusd per 64 bytes and field (lowbit/_simd.py). The planes are int8, the
+# scales are applied in the same pass, and the tail bytes past the last whole block are summed
+# here.
+_DOT2 = _simd.dot_fields(2)
+_DOT1 = _simd.dot_fields(1)
+_DOT8 = _simd.dot_fields(8)
+
+
+@numba.njit(parallel=True, cache=True)
+def _gemv_vnni(planes, data, bits, block, xsum, scale_x, scale_w, out):
+    """out[m, n] = float32(acc) * scale_x[m] * scale_w[n] with the exact int32 ``acc`` of
+    ``_gemv_acc``; xsum[m] is what the stored-code offset adds to the raw sum (see there);
+    block: ``_simd.BLOCK_BYTES[bits]``."""
+    M = planes.shape[0]
+    N, nbytes = data.shape
+    niter = nbytes // block
+    fields = planes.shape[1]
+    mask = (1 << bits) - 1
+    stride = 1 if scale_w.shape[0] > 1 else 0
+    for n in numba.prange(N):
+        row = data[n]
+        for m in range(M):
+            pl = planes[m]
+            if bits == 2:
+                raw = _DOT2(pl, row, niter)
+            elif bits == 1:
+                raw = _DOT1(pl, row, niter)
+            else:
+                raw = _DOT8(pl, row, niter)
+            for g in range(niter * block, nbytes):
+                if bits == 8:
+                    raw += (np.int32(row[g]) + 128) * np.int32(pl[0, g])
+                else:
+                    b = np.int32(row[g])
+                    for j in range(fields):
+                        raw += ((b >> (bits * j)) & mask) * np.int32(pl[j, g])
+            # int32 wrap-around throughout: exact whenever the true sum fits in int32
+            acc = np.int32(np.int64(raw) * (2 if bits == 1 else 1) - xsum[m])
+            out[m, n] = (np.float32(acc) * scale_x[m]) * scale_w[n * stride]
+
+
+def _gemv_scaled(codes_x, scale_x, data, scale_w, format, out):
+    """out = float32(codes_x @ codes_w) * scale_x[:, None] * scale_w for few rows."""
+    if not USE_VNNI:
+        _scale_rows(_gemv_acc(codes_x, data, format), scale_x, scale_w, out)
+        return
+    M, K = codes_x.shape
+    xsum = codes_x.sum(axis=1, dtype=np.int32)
+    if format == "int8":
+        planes = np.ascontiguousarray(codes_x).reshape(M, 1, K)
+        bits = 8
+        xsum *= np.int32(128)
+    else:
+        per = 4 if format == "ternary" else 8
+        bits = 8 // per
+        padded = np.zeros((M, data.shape[1] * per), dtype=np.int8)
+        padded[:, :K] = codes_x
+        planes = np.ascontiguousarray(padded.reshape(M, -1, per).transpose(0, 2, 1))
+    _gemv_vnni(planes, data, bits, _simd.BLOCK_BYTES[bits], xsum, scale_x, scale_w, out)
+
+
 def _gemv_acc(codes_x, data, format):
-    """Exact int32 ``codes_x @ codes_w`` [M, N] for few rows."""
+    """Exact int32 ``codes_x @ codes_w`` [M, N] for few rows (portable loops, no VNNI)."""
     M, K = codes_x.shape
     N = data.shape[0]
     acc = np.empty((M, N), dtype=np.int32)
@@ -441,6 +518,91 @@ def _split_scale(v, shift, fields, acc, first, last, scale_x, scale_w, out, q0):
                         acc[m, n] = d
 
 
+# VNNI GEMM: a 6 x 64 register tile of int32 accumulators over all of K (lowbit/_simd.py).
+_TILE1 = _simd.gemm_tile(1)
+_TILE2 = _simd.gemm_tile(2)
+_TILE3 = _simd.gemm_tile(3)
+_TILE4 = _simd.gemm_tile(4)
+_TILE5 = _simd.gemm_tile(5)
+_TILE6 = _simd.gemm_tile(6)
+
+
+def _spread_tables():
+    """uint32 spreads, four fields to four bytes: a ternary byte's 2-bit fields, a sign nibble's
+    bits."""
+    b = np.arange(256, dtype=np.uint32)
+    two = sum(((b >> (2 * t)) & 3) << (8 * t) for t in range(4)).astype(np.uint32)
+    one = sum(((b[:16] >> t) & 1) << (8 * t) for t in range(4)).astype(np.uint32)
+    return two, one
+
+
+_SPREAD2, _SPREAD1 = _spread_tables()
+
+
+@numba.njit(parallel=True, cache=True)
+def _gemm_vnni(a, data, bits, xsum, scale_x, scale_w, out):
+    """out = float32(acc) * scale_x[:, None] * scale_w, acc the exact int32 product of the codes.
+
+    a: [M, 4 count] int8 activation codes, zero past K; xsum: as in ``_gemv_vnni``. Parallel
+    over panels of 64 output columns: each task spreads its columns' codes into one byte each
+    (uint32 ``panel[q, n]`` = the four codes of K ``4q .. 4q + 3``), then runs the register tile
+    over all of K for each group of six rows.
+    """
+    M = a.shape[0]
+    count = a.shape[1] // 4
+    N, nbytes = data.shape
+    P = 64  # _simd.PANEL
+    R = 6  # _simd.TILE_ROWS
+    stride = 1 if scale_w.shape[0] > 1 else 0
+    spread2 = _SPREAD2
+    spread1 = _SPREAD1
+    for p in numba.prange((N + P - 1) // P):
+        n0 = p * P
+        width = min(P, N - n0)
+        panel = np.zeros((count, P), np.uint32)
+        c = np.empty((R, P), np.int32)
+        for j in range(width):
+            row = data[n0 + j]
+            if bits == 2:
+                for g in range(nbytes):
+                    panel[g, j] = spread2[row[g]]
+            elif bits == 1:
+                for g in range(nbytes):
+                    b = row[g]
+                    panel[2 * g, j] = spread1[b & 15]
+                    if 2 * g + 1 < count:
+                        panel[2 * g + 1, j] = spread1[b >> 4]
+            else:
+                for g in range(count):
+                    v = np.uint32(0)
+                    for t in range(4):
+                        k = 4 * g + t
+                        if k < nbytes:
+                            v |= np.uint32(np.uint8(row[k]) ^ np.uint8(128)) << np.uint32(8 * t)
+                    panel[g, j] = v
+        for m0 in range(0, M, R):
+            r = min(R, M - m0)
+            if r == 6:
+                _TILE6(a, m0, panel, count, c)
+            elif r == 5:
+                _TILE5(a, m0, panel, count, c)
+            elif r == 4:
+                _TILE4(a, m0, panel, count, c)
+            elif r == 3:
+                _TILE3(a, m0, panel, count, c)
+            elif r == 2:
+                _TILE2(a, m0, panel, count, c)
+            else:
+                _TILE1(a, m0, panel, count, c)
+            for i in range(r):
+                m = m0 + i
+                sx = scale_x[m]
+                for j in range(width):
+                    acc = np.int32(np.int64(c[i, j]) * (2 if bits == 1 else 1) - xsum[m])
+                    out[m, n0 + j] = (np.float32(acc) * sx) * scale_w[(n0 + j) * stride]
+
+
+
 #: Largest float64 workspace kept per thread between GEMM calls (larger ones are allocated afresh).
 WORKSPACE_MAX_BYTES = 64 << 20
 _WORK = threading.local()
@@ -462,10 +624,20 @@ def _work(name, size):
 
 
 def _gemm(codes_x, scale_x, data, scale_w, format, K, out):
-    """out [M, N] float32 = exact ``codes_x @ codes_w`` through packed-field BLAS, then scales."""
+    """out [M, N] float32 = exact ``codes_x @ codes_w``, then scales: the VNNI tile where the CPU
+    has it, packed-field float64 BLAS otherwise."""
     M = codes_x.shape[0]
     N, nbytes = data.shape
     bits = 2 if format == "ternary" else 1 if format == "sign" else 8
+    if USE_VNNI:
+        count = -(-K // 4)
+        a = np.zeros((M, 4 * count), np.int8)
+        a[:, :K] = codes_x
+        xsum = codes_x.sum(axis=1, dtype=np.int32)
+        if bits == 8:
+            xsum *= np.int32(128)
+        _gemm_vnni(a, data, bits, xsum, scale_x, scale_w, out)
+        return out
     per = 8 // bits
     # Activations in the tiles' field-major K order, zero past K, laid out for one chunk over K
     # (the usual plan) and redone if the plan needs shorter chunks.
@@ -520,7 +692,7 @@ def matmul_int(codes_x, scale_x, data, scale_w, format, K):
     y = _backend.empty((M, N), np.float32)
     scale_w = np.ascontiguousarray(scale_w, dtype=np.float32).reshape(-1)
     if M <= GEMV_MAX_ROWS:
-        _scale_rows(_gemv_acc(codes_x, data, format), scale_x, scale_w, y)
+        _gemv_scaled(codes_x, scale_x, data, scale_w, format, y)
     else:
         _gemm(codes_x, scale_x, data, scale_w, format, K, y)
     return y

@@ -29,15 +29,16 @@ def _column_abs_sums(w, out):
 def _column_scales(w, out):
     """out[n] = max(max_k |w[k, n]|, eps) / 127 in w's dtype."""
     K, N = w.shape
-    one = w.dtype.type(0)
-    eps = one + EPS
+    zero = w.dtype.type(0)
+    eps = w.dtype.type(EPS)
+    top = w.dtype.type(127)
     for n in numba.prange(N):
-        m = one
+        m = zero
         for k in range(K):
             a = abs(w[k, n])
             if a > m:
                 m = a
-        out[n] = max(m, eps) / (one + 127)
+        out[n] = max(m, eps) / top
 
 
 @numba.njit(parallel=True, cache=True)
@@ -74,8 +75,11 @@ def _unpack_weight(data, bits, ternary, K, out):
 @numba.njit(cache=True)
 def _quantize_rows(x, qmax, codes, scale):
     M, K = x.shape
+    # every constant in x's dtype, so that the scale and the quotients are formed in it (a
+    # float64 scale let a float32 tie round away from the reference's code)
     zero = x.dtype.type(0)
-    eps = zero + EPS
+    eps = x.dtype.type(EPS)
+    top = x.dtype.type(qmax)
     for m in range(M):
         a = zero
         finite = True
@@ -88,7 +92,7 @@ def _quantize_rows(x, qmax, codes, scale):
         if not finite or a == np.inf:
             scale[m] = np.nan
             continue
-        s = max(a, eps) / (zero + qmax)
+        s = max(a, eps) / top
         scale[m] = s
         for k in range(K):
             codes[m, k] = min(max(np.rint(x[m, k] / s), -qmax), qmax)
