@@ -7,8 +7,8 @@ Op: ``lowbit/ops/packed_matmul`` (formats in ``lowbit/ops/quantize``); reference
   the same call against a NumPy copy of the packed bytes (target 0.5: at least half the copy
   roofline; the ratio is copy time over GEMV time for the same number of bytes, and both GB/s
   columns count those bytes once, the copy's writes not included; the ``kernel`` column says
-  whether the AVX-512 VNNI kernels ran, here and in the GEMM rows), and the two portable Numba GEMV variants (plane decode,
-  lookup table) side by side;
+  whether the AVX-512 VNNI kernels ran, here and in the GEMM rows), and the two portable Numba
+  GEMV variants (plane decode, lookup table) side by side;
 - GEMM, M = 256: NumPy float32 matmul (baseline), packed GEMM (target 1.0), with the weight bytes
   of both;
 - the straight-through linear layer's backward against its NumPy float32 equivalent;

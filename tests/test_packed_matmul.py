@@ -162,6 +162,8 @@ LINEAR_CASES = [
     ("sign", "int4", 33, 40, 33),
     ("int8", "int8", 33, 40, 33),
     ("ternary", None, 3, 45, 11),
+    ("sign", None, 12, 1031, 9),  # dx from field-major tiles: K past one tile, not whole bytes
+    ("ternary", "int8", 12, 1031, 9),
     ("int8", None, 6, 37, 5),
     (None, "int8", 6, 37, 5),
     (None, None, 6, 37, 5),

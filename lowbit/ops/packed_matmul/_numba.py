@@ -24,22 +24,22 @@ feed 24 ``vpdpbusd``. Exact int32 accumulation; measured 11.9 ms for M = 256, K 
 (3.8x NumPy float32 matmul, 3.2x the float64-field BLAS path below, which remains the GEMM on CPUs
 without VNNI).
 
-GEMM (more rows), portable: integer products are computed exactly in float64 BLAS. Up to three columns of
-decoded weight codes are packed into one float64, ``w0 + 2^s w1 + 2^2s w2``; each dot product
-with activation codes then carries three integer results in separate bit fields. Over a K chunk
-whose partial sums stay below ``2^(s-1)`` in magnitude and whose packed total stays below 2^53,
-every product and partial sum BLAS forms is an integer below 2^53 and hence exact in any order;
-the fields are split again with exact power-of-two arithmetic. The result equals int32
+GEMM (more rows), portable: integer products are computed exactly in float64 BLAS. Up to three
+columns of decoded weight codes are packed into one float64, ``w0 + 2^s w1 + 2^2s w2``; each dot
+product with activation codes then carries three integer results in separate bit fields. Over a K
+chunk whose partial sums stay below ``2^(s-1)`` in magnitude and whose packed total stays below
+2^53, every product and partial sum BLAS forms is an integer below 2^53 and hence exact in any
+order; the fields are split again with exact power-of-two arithmetic. The result equals int32
 accumulation bit for bit, for a third of the multiply-adds of a float GEMM (float64 BLAS runs at
 about half the float32 rate here, so the net gain is about 1.5x before decode and split). Within a
 tile, K is laid out field-major (all first fields of the bytes, then all second ones, ...), with the
-activations permuted to match, so that decoding is contiguous vector work (measured 9x faster than
-a byte-by-byte table decode). The chunk bound is the largest row L1 norm of the activation codes
-times the largest weight code, so typical activations need one chunk over all of K: one decode,
-one dgemm, and the split fused with the scaling into the output. The helpers around the dgemm are
-serial (Numba's and OpenBLAS's worker threads contended on the 2 cores) and the float64 buffers
-are per-thread workspaces kept across calls, up to a cap (a fresh 45 MB tile cost ~3 ms of page
-faults a call at M = 256, K = N = 4096; measured).
+activations permuted to match, so that decoding is contiguous vector work (measured 9x faster than a
+byte-by-byte table decode). The chunk bound is the largest row L1 norm of the activation codes times
+the largest weight code, so typical activations need one chunk over all of K: one decode, one dgemm,
+and the split fused with the scaling into the output. The helpers around the dgemm are serial
+(Numba's and OpenBLAS's worker threads contended on the 2 cores) and the float64 buffers are
+per-thread workspaces kept across calls, up to a cap (a fresh 45 MB tile cost ~3 ms of page faults a
+call at M = 256, K = N = 4096; measured).
 
 Backward: ``dx = dy @ Qw(w).T`` for few rows walks every packed row once (a transposed GEMV,
 ``_dx_small``); for more rows it decodes tiles of codes to float32 for BLAS. ``dw`` is BLAS on the
@@ -64,48 +64,59 @@ TILE_N = 512
 EXACT_LIMIT = 2**53
 #: Largest code magnitude of each weight format.
 WEIGHT_QMAX = {"ternary": 1, "sign": 1, "int8": 127}
+#: Bits a stored code takes.
+_BITS = {"ternary": 2, "sign": 1, "int8": 8}
 
 
 # ---------------------------------------------------------------------------------------------
 # weight decoding
 
 
-def _decode_table(format):
-    """[256, per] float64: the signed codes a packed byte holds."""
-    if format == "int8":
-        return np.arange(-128, 128, dtype=np.float64).reshape(256, 1)[np.arange(256) ^ 128]
-    bits = 2 if format == "ternary" else 1
+# Field-major: each packed row's first fields, then its second ones, ... (measured 9x faster than
+# a byte-by-byte table decode into K order); the float paths permute the activations (or the
+# output columns of dx) to match. Serial on purpose: it alternates with BLAS calls, and a Numba
+# parallel region right after one ran up to 2x slower against OpenBLAS's spinning workers
+# (measured: ternary/None GEMM M = 256, K = N = 4096 116 -> 69 ms serial).
+@numba.njit(cache=True)
+def _decode_fields_f32(data, bits, n0, g0, out):
+    """out[i, j * G + g] = float32 signed code of field j of byte g0 + g of row n0 + i, where
+    G = out.shape[1] // (8 // bits)."""
+    rows = out.shape[0]
     per = 8 // bits
-    b = np.arange(256)[:, None] >> (np.arange(per) * bits) & ((1 << bits) - 1)
-    return (b - 1 if format == "ternary" else 2 * b - 1).astype(np.float64)
-
-
-_TABLES = {f: _decode_table(f) for f in ("ternary", "sign", "int8")}
-
-
-@numba.njit(parallel=True, cache=True)
-def _decode(data, table, n0, k0, out):
-    """out[i, j] = code of weight (k0 + j, n0 + i); k0 is a multiple of codes per byte."""
-    rows, cols = out.shape
-    per = table.shape[1]
-    g0 = k0 // per
-    full = cols // per
-    for i in numba.prange(rows):
-        src = data[n0 + i]
+    G = out.shape[1] // per
+    mask = (1 << bits) - 1
+    for i in range(rows):
+        src = data[n0 + i, g0:g0 + G]
         dst = out[i]
-        for g in range(full):
-            b = np.int64(src[g0 + g]) & 255
-            for j in range(per):
-                dst[g * per + j] = table[b, j]
-        for c in range(full * per, cols):
-            dst[c] = table[np.int64(src[g0 + c // per]) & 255, c % per]
+        for j in range(per):
+            seg = dst[j * G:(j + 1) * G]
+            shift = j * bits
+            for g in range(G):
+                if bits == 8:
+                    seg[g] = np.float32(src[g])
+                else:
+                    f = (np.int32(src[g]) >> shift) & mask
+                    seg[g] = np.float32(f - 1 if bits == 2 else 2 * f - 1)
 
 
-def decode(data, format, n0, n1, k0, k1, dtype):
-    """Signed codes of W[k0:k1, n0:n1], transposed: [n1 - n0, k1 - k0] of ``dtype``."""
-    out = np.empty((n1 - n0, k1 - k0), dtype=dtype)
-    _decode(data, _TABLES[format].astype(dtype), n0, k0, out)
+def decode_fields(data, format, n0, n1, k0, k1):
+    """Signed float32 codes of W[k0:k1, n0:n1], transposed and field-major:
+    ``[n1 - n0, per * G]`` with column ``j * G + g`` holding K ``k0 + per * g + j`` (k0 a
+    multiple of ``per``; columns past k1 hold padding codes)."""
+    bits = _BITS[format]
+    per = 8 // bits
+    G = -(-(k1 - k0) // per)
+    out = np.empty((n1 - n0, per * G), dtype=np.float32)
+    _decode_fields_f32(data, bits, n0, k0 // per, out)
     return out
+
+
+def field_major(x, per, G):
+    """[M, K] -> [M, per * G]: column ``j * G + g`` = ``x[:, per * g + j]``, zero past K."""
+    M, K = x.shape
+    padded = np.zeros((M, G * per), dtype=x.dtype)
+    padded[:, :K] = x
+    return np.ascontiguousarray(padded.reshape(M, G, per).transpose(0, 2, 1)).reshape(M, per * G)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -628,7 +639,7 @@ def _gemm(codes_x, scale_x, data, scale_w, format, K, out):
     has it, packed-field float64 BLAS otherwise."""
     M = codes_x.shape[0]
     N, nbytes = data.shape
-    bits = 2 if format == "ternary" else 1 if format == "sign" else 8
+    bits = _BITS[format]
     if USE_VNNI:
         count = -(-K // 4)
         a = np.zeros((M, 4 * count), np.int8)
@@ -701,15 +712,17 @@ def matmul_int(codes_x, scale_x, data, scale_w, format, K):
 def matmul_float(x, data, scale_w, format, K):
     """x: [M, K] float32 -> [M, N] float32 ``(x @ codes_w) * scale_w``, float32 accumulation.
 
-    Decodes TILE_N output columns at a time to float32 and multiplies with BLAS.
+    Decodes TILE_N output columns at a time to float32, field-major, and multiplies them with
+    the activations permuted to match (BLAS).
     """
     M = x.shape[0]
-    N = data.shape[0]
+    N, nbytes = data.shape
+    xs = field_major(x, 8 // _BITS[format], nbytes)
     y = _backend.empty((M, N), np.float32)
     for n0 in range(0, N, TILE_N):
         n1 = min(N, n0 + TILE_N)
-        tile = decode(data, format, n0, n1, 0, K, np.float32)
-        y[:, n0:n1] = (x @ tile.T) * (scale_w if scale_w.ndim == 0 else scale_w[n0:n1])
+        tile = decode_fields(data, format, n0, n1, 0, K)
+        y[:, n0:n1] = (xs @ tile.T) * (scale_w if scale_w.ndim == 0 else scale_w[n0:n1])
     return y
 
 
@@ -784,21 +797,25 @@ def _dx_small(g, data, bits, K, out):
 def matmul_dx(dy, data, scale_w, format, K):
     """dy: [M, N] float32 -> dx [M, K] float32 ``dy @ (codes_w * scale_w).T``.
 
-    Few rows: the transposed GEMV kernel over packed bytes. More rows: decode the codes of TILE_K
-    input features for all N outputs and multiply with BLAS. A per-tensor scale (ternary, sign)
-    multiplies once at the end.
+    Few rows: the transposed GEMV kernel over packed bytes. More rows: decode the codes of
+    TILE_K input features for all N outputs (field-major) and multiply with BLAS. A per-tensor
+    scale (ternary, sign) multiplies once at the end.
     """
     M, N = dy.shape
     dx = _backend.empty((M, K), np.float32)
     g = dy if scale_w.ndim == 0 else np.ascontiguousarray(dy * scale_w, dtype=np.float32)
     if M <= GEMV_MAX_ROWS:
-        bits = 2 if format == "ternary" else 1 if format == "sign" else 8
+        bits = _BITS[format]
         _dx_small(g, data, bits, K, dx)
     else:
+        per = 8 // _BITS[format]
         for k0 in range(0, K, TILE_K):
             k1 = min(K, k0 + TILE_K)
-            tile = decode(data, format, 0, N, k0, k1, np.float32)
-            dx[:, k0:k1] = g @ tile
+            tile = decode_fields(data, format, 0, N, k0, k1)
+            G = tile.shape[1] // per
+            # columns j * G + g of the product are K k0 + per * g + j: back to K order
+            part = (g @ tile).reshape(M, per, G).transpose(0, 2, 1).reshape(M, per * G)
+            dx[:, k0:k1] = part[:, :k1 - k0]
     if scale_w.ndim == 0:
         dx *= scale_w
     return dx
