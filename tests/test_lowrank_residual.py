@@ -59,10 +59,14 @@ def test_reference_backward_matches_finite_differences(rng, attention, lengths):
 
 # -- the backend pieces ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("lengths", [None, [1, 1, 70, 3, 75]])
-def test_causal_linear_attention_kernel(backend, rng, lengths):
-    """Forward and both gradients; multi-chunk segments (CHUNK is 64) and odd N."""
-    B, T, D, N = 2, 150, 5, 7
+@pytest.mark.parametrize("split", [False, True])
+def test_causal_linear_attention_kernel(backend, rng, split):
+    """Forward and both gradients; segments of several chunks (the numba kernel's CHUNK) and
+    odd N."""
+    from lowbit.ops.lowrank_residual._numba import CHUNK
+
+    lengths = [1, 1, CHUNK + 6, 3, 2 * CHUNK + 11] if split else None
+    B, T, D, N = 2, 3 * CHUNK + 22, 5, 7
     if backend.name == "cudasim":  # one OS thread per CUDA thread: a few blocks only
         B, T, lengths = 1, 13, (None if lengths is None else [1, 1, 6, 3, 2])
     _, impl = _dispatch.resolve("lowrank_residual", backend.to(np.zeros(1, np.float32)))
