@@ -30,7 +30,10 @@ from numba.extending import intrinsic
 def _host_has_vnni():
     features = numba.config.CPU_FEATURES
     if features is None:
-        features = llvm.get_host_cpu_features().flatten()
+        try:
+            features = llvm.get_host_cpu_features().flatten()
+        except RuntimeError:  # llvmlite cannot read this host's features: assume none
+            return False
     return "+avx512vnni" in features.split(",") and "+avx512bw" in features.split(",")
 
 
