@@ -68,7 +68,7 @@ def dot_fields(bits):
         if not (isinstance(planes, types.Array) and planes.ndim == 2 and planes.layout == "C"
                 and planes.dtype == types.int8):
             return None
-        if not (isinstance(row, types.Array) and row.ndim == 1
+        if not (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C"
                 and row.dtype in (types.uint8, types.int8)):
             return None
         sig = types.int32(planes, row, types.intp)

@@ -148,6 +148,18 @@ def test_numba_gemv_kernels(monkeypatch, rng, format, vnni):
         assert_equal(f"y {M}x{K}x{N}", ref, y)
 
 
+@pytest.mark.parametrize("format", FORMATS)
+def test_weight_data_in_any_memory_order(backend, rng, format):
+    """A PackedWeight whose data array is Fortran-ordered gives the same result (GEMV and GEMM)."""
+    for M, K, N in [(1, 75, 5), (9, 75, 5)]:
+        x, w = _data(rng, M, K, N)
+        data, scale = quantize_weight_ref(w, format)
+        pw = lowbit.PackedWeight(format, w.shape, backend.to(np.asfortranarray(data)),
+                                 backend.to(scale))
+        y = lowbit.packed_matmul(backend.to(x), pw)
+        assert_equal(f"y {M}x{K}x{N}", packed_matmul_ref(x, data, scale, format, K), y)
+
+
 def test_deterministic(backend, rng):
     x, w = _data(rng, *_shapes(backend)[-1])
     pw = _packed(backend, w, "sign")
@@ -273,6 +285,27 @@ def test_k_mismatch():
 def test_pw_type():
     with pytest.raises(TypeError, match="pw must be a lowbit.PackedWeight"):
         lowbit.packed_matmul(np.ones((2, 4), np.float32), np.ones((4, 3), np.float32))
+
+
+@pytest.mark.parametrize("change,error,message", [
+    (dict(format="int4"), ValueError, "pw.format must be one of"),
+    (dict(shape=(4, 0)), ValueError, r"pw.shape must be \(K, N\)"),
+    (dict(shape=[4, 3]), ValueError, r"pw.shape must be \(K, N\)"),
+    (dict(data=[[0]]), TypeError, "pw.data must be a numpy or cupy array"),
+    (dict(data=np.zeros((3, 1), np.int8)), ValueError, r"pw.data must be uint8 of shape \(3, 1\)"),
+    (dict(data=np.zeros((3, 2), np.uint8)), ValueError, r"pw.data must be uint8 of shape"),
+    (dict(data=np.zeros((2, 1), np.uint8)), ValueError, r"pw.data must be uint8 of shape"),
+    (dict(scale=np.ones(2, np.float32)), ValueError, "pw.scale must be float32 with 1 or N"),
+    (dict(scale=np.ones((), np.float64)), ValueError, "pw.scale must be float32"),
+])
+def test_pw_fields_checked_before_any_kernel(change, error, message):
+    """A hand-built PackedWeight whose fields disagree with its format and shape (which would
+    send the kernels past its data) is rejected, naming the field."""
+    import dataclasses
+
+    pw = dataclasses.replace(_pw(), **change)
+    with pytest.raises(error, match=message):
+        lowbit.packed_matmul(np.ones((2, 4), np.float32), pw)
 
 
 def test_unknown_act_format():

@@ -187,3 +187,11 @@ def test_activation_dtype():
     with pytest.raises(TypeError, match="x must be float32 or float64"):
         lowbit.quantize_activation(np.ones((2, 2), np.int8))
 
+
+
+def test_packed_weight_codes_check_fields():
+    """codes() / dequantize() of a hand-built PackedWeight check its fields before unpacking."""
+    pw = lowbit.quantize_weight(np.ones((4, 3), np.float32), "ternary")
+    bad = lowbit.PackedWeight("ternary", (40, 3), pw.data, pw.scale)
+    with pytest.raises(ValueError, match=r"PackedWeight.data must be uint8 of shape \(3, 10\)"):
+        bad.dequantize()

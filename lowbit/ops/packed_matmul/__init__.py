@@ -16,7 +16,8 @@ import numpy as np
 
 from ... import _backend, _ctx, _dispatch, _validate
 from ..quantize import (PackedWeight, _rows, _weight_input, act_format as _act_format,
-                        quantize_rows, quantize_weight, weight_format as _weight_format)
+                        checked_packed, quantize_rows, quantize_weight,
+                        weight_format as _weight_format)
 
 
 def _optional_act(format):
@@ -27,7 +28,7 @@ def _packed(pw):
     if not isinstance(pw, PackedWeight):
         raise TypeError(f"pw must be a lowbit.PackedWeight (from lowbit.quantize_weight), "
                         f"got {type(pw).__name__}")
-    return pw
+    return checked_packed(pw, "pw")
 
 
 def _matching_k(x, K, xname, wname):

@@ -275,6 +275,7 @@ def _gemv_scaled(codes_x, scale_x, data, scale_w, format, out):
         _scale_rows(_gemv_acc(codes_x, data, format), scale_x, scale_w, out)
         return
     M, K = codes_x.shape
+    data = np.ascontiguousarray(data)  # the kernel reads each row as contiguous bytes
     xsum = codes_x.sum(axis=1, dtype=np.int32)
     if format == "int8":
         planes = np.ascontiguousarray(codes_x).reshape(M, 1, K)

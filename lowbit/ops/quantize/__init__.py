@@ -83,12 +83,41 @@ class PackedWeight:
 
     def codes(self):
         """Signed codes [K, N] int8 (ternary {-1, 0, 1}, sign {-1, 1}, int8 [-127, 127])."""
-        _, impl = _dispatch.resolve("quantize", self.data)
-        return impl.unpack_weight(self.data, self.format, self.shape[0]).T.astype(np.int8)
+        pw = checked_packed(self, "PackedWeight")
+        _, impl = _dispatch.resolve("quantize", pw.data)
+        return impl.unpack_weight(pw.data, pw.format, pw.shape[0]).T.astype(np.int8)
 
     def dequantize(self):
         """float32 [K, N]: ``codes * scale``."""
         return self.codes().astype(np.float32) * self.scale.astype(np.float32)
+
+
+def checked_packed(pw, name):
+    """A PackedWeight's fields checked against its format and shape (a hand-built one could send
+    the kernels past its data); returns it, with ``data`` made contiguous where it was not.
+    Messages name ``name.field``."""
+    bits = WEIGHT_FORMATS.get(pw.format) if isinstance(pw.format, str) else None
+    if bits is None:
+        raise ValueError(f"{name}.format must be one of {tuple(WEIGHT_FORMATS)}, "
+                         f"got {pw.format!r}")
+    if not (isinstance(pw.shape, tuple) and len(pw.shape) == 2
+            and all(isinstance(d, (int, np.integer)) and d > 0 for d in pw.shape)):
+        raise ValueError(f"{name}.shape must be (K, N) with positive integers, got {pw.shape!r}")
+    K, N = (int(d) for d in pw.shape)
+    data = _validate.as_array(pw.data, f"{name}.data")
+    scale = _validate.as_array(pw.scale, f"{name}.scale")
+    dtype = np.int8 if pw.format == "int8" else np.uint8
+    want = (N, -(-K // (8 // bits)))
+    if data.dtype != dtype or data.shape != want:
+        raise ValueError(f"{name}.data must be {np.dtype(dtype).name} of shape {want} for a "
+                         f"{pw.format} weight of shape {(K, N)}, got {data.dtype} {data.shape}")
+    if scale.dtype != np.float32 or scale.ndim > 1 or scale.size not in (1, N):
+        raise ValueError(f"{name}.scale must be float32 with 1 or N = {N} values, got "
+                         f"{scale.dtype} {scale.shape}")
+    _backend.array_kind(data, scale)
+    if not data.flags.c_contiguous:
+        pw = dataclasses.replace(pw, data=_backend.array_module(data).ascontiguousarray(data))
+    return pw
 
 
 @dataclasses.dataclass(frozen=True)
