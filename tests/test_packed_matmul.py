@@ -87,13 +87,14 @@ def test_exact_at_largest_codes(backend, format):
 @pytest.mark.parametrize("name,vnni", [("numpy", False), ("numba", True), ("numba", False)],
                          ids=["numpy", "numba-vnni", "numba-portable"])
 def test_gemm_rows_of_mixed_magnitude(monkeypatch, name, vnni, rng, format, saturated):
-    """GEMM rows (M > 8) with one row of largest codes, over all of K or its second half only.
+    """GEMM rows (M = 20, past both GEMV thresholds) with one row of largest codes, over all of K
+    or its second half only.
 
     The portable numba GEMM plans its exact float64 fields from the row L1 norms of the
     activation codes per K chunk: typical rows fit one chunk over K, a saturated row forces
     shorter chunks or fewer fields. N = 3 p + 1 and 3 p + 2 leave a partly filled field group
-    (N = 1: one column only). The VNNI GEMM sees M = 12 = two whole 6-row tiles and a partial
-    64-column panel; K = 2499 is not a multiple of 4.
+    (N = 1: one column only). The VNNI GEMM sees M = 20 = three whole 6-row tiles and a
+    2-row one, and a partial 64-column panel; K = 2499 is not a multiple of 4.
     """
     from lowbit import _simd
     from lowbit.ops.packed_matmul import _numba
@@ -101,7 +102,7 @@ def test_gemm_rows_of_mixed_magnitude(monkeypatch, name, vnni, rng, format, satu
     if vnni and not _simd.AVAILABLE:
         pytest.skip("this CPU has no AVX-512 VNNI")
     monkeypatch.setattr(_numba, "USE_VNNI", vnni)
-    M, K = 12, 2499
+    M, K = 20, 2499
     for N in (1, 2, 7, 8, 9):
         x = rng.standard_normal((M, K)).astype(np.float32)
         if saturated == "all":
@@ -135,7 +136,7 @@ def test_numba_gemv_kernels(monkeypatch, rng, format, vnni):
         pytest.skip("this CPU has no AVX-512 VNNI")
     monkeypatch.setattr(_numba, "USE_VNNI", vnni)
     cases = [(1, 1, 3), (3, 37, 5), (8, 511, 4), (2, 513, 3), (1, 1031, 7), (5, 4096, 2),
-             (1, 4096 + 257, 3)]
+             (16, 300, 9), (1, 4096 + 257, 3)]
     for i, (M, K, N) in enumerate(cases):
         x, w = _data(rng, M, K, N)
         if i == len(cases) - 1:
