@@ -28,6 +28,8 @@ from numba.extending import intrinsic
 
 
 def _host_has_vnni():
+    if numba.config.DISABLE_JIT:  # intrinsics exist only in compiled code
+        return False
     features = numba.config.CPU_FEATURES
     if features is None:
         try:
