@@ -140,7 +140,7 @@ def test_numba_gemv_kernels(monkeypatch, rng, format, vnni):
     for i, (M, K, N) in enumerate(cases):
         x, w = _data(rng, M, K, N)
         if i == len(cases) - 1:
-            x = np.where(np.arange(K) % 2, 1.0, -1.0).astype(np.float32)[None]
+            x = np.repeat(np.where(np.arange(K) % 2, 1.0, -1.0).astype(np.float32)[None], 5, 0)
             w = np.ones((K, N), dtype=np.float32)
         pw = _packed(Backend("numba"), w, format)
         with lowbit.use_backend("numba"):
