@@ -19,6 +19,10 @@ lanes, one instruction) from a plain Numba loop, so the packed-weight GEMV emits
 Each field keeps its own accumulator chains (``vpdpbusd`` has a latency of several cycles), and
 the sixteen lanes are reduced once at the end. ``AVAILABLE`` says whether the CPU Numba compiles
 for has the instruction; the kernels fall back to portable loops when it does not.
+
+Numba's on-disk cache keys a kernel on its own source file only: after editing this file, touch
+``lowbit/ops/packed_matmul/_numba.py`` (or clear its ``__pycache__``), or the kernels that call
+these intrinsics keep their old machine code.
 """
 
 import llvmlite.binding as llvm
