@@ -134,6 +134,9 @@ def cases(config: Config):
         codes = lowbit.quantize_activation(x1).codes
         yield Case(SUITE, "gemv kernel portable plane-decode", fn=lambda: _numba._gemv_acc(
             codes, pw.data, "ternary"), baseline="copy packed bytes", nbytes=pw.data.nbytes,
+            check=lambda: np.testing.assert_array_equal(
+                _numba._gemv_acc(codes, pw.data, "ternary"),
+                codes.astype(np.int64) @ pw.codes().astype(np.int64)),
             info={"format": "ternary/int8"})
         yield Case(SUITE, "gemv kernel portable lookup-table", fn=lambda: _numba.gemv_lut(
             codes, pw.data, K), baseline="copy packed bytes", nbytes=pw.data.nbytes,

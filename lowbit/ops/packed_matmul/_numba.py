@@ -53,6 +53,7 @@ import numba
 import numpy as np
 
 from ... import _backend, _simd
+from ..quantize import WEIGHT_FORMATS as _BITS
 
 #: Whether the GEMV and GEMM use the AVX-512 VNNI kernels (the CPU has them); the portable
 #: loops and the float64 BLAS GEMM otherwise.
@@ -69,8 +70,6 @@ TILE_N = 512
 EXACT_LIMIT = 2**53
 #: Largest code magnitude of each weight format.
 WEIGHT_QMAX = {"ternary": 1, "sign": 1, "int8": 127}
-#: Bits a stored code takes.
-_BITS = {"ternary": 2, "sign": 1, "int8": 8}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,7 +116,8 @@ def decode_fields(data, format, n0, n1, k0, k1):
 
 
 def field_major(x, per, G):
-    """[M, K] -> [M, per * G]: column ``j * G + g`` = ``x[:, per * g + j]``, zero past K."""
+    """[M, K] -> [M, per * G]: column ``j * G + g`` = ``x[:, per * g + j]``, zero past K (the
+    activations of the float paths; reshaped [M, per, G], the portable GEMV's planes)."""
     M, K = x.shape
     padded = np.zeros((M, G * per), dtype=x.dtype)
     padded[:, :K] = x
@@ -126,14 +126,6 @@ def field_major(x, per, G):
 
 # ---------------------------------------------------------------------------------------------
 # GEMV: a few rows, each packed byte read once
-
-
-def _planes(codes_x, per, nbytes):
-    """[M, per, nbytes] int16 with plane[m, j, g] = codes_x[m, per * g + j] (zero padded)."""
-    M, K = codes_x.shape
-    padded = np.zeros((M, nbytes * per), dtype=np.int16)
-    padded[:, :K] = codes_x
-    return np.ascontiguousarray(padded.reshape(M, nbytes, per).transpose(0, 2, 1))
 
 
 # Products of int16-cast operands summed in int32: LLVM turns this form into vpmaddwd (16-bit
@@ -297,7 +289,6 @@ def _gemv_scaled(codes_x, scale_x, data, scale_w, format, out):
     if not USE_VNNI:
         _scale_rows(_gemv_acc(codes_x, data, format), scale_x, scale_w, out)
         return
-    data = np.ascontiguousarray(data)  # the kernel reads each row as contiguous bytes
     bits = _BITS[format]
     per = 8 // bits if bits < 8 else 1
     planes = np.empty((codes_x.shape[0], per, data.shape[1]), dtype=np.int8)
@@ -314,8 +305,8 @@ def _gemv_acc(codes_x, data, format):
     if format == "int8":
         _gemv8(codes_x, data, acc)
         return acc
-    per = 4 if format == "ternary" else 8
-    planes = _planes(codes_x, per, data.shape[1])
+    per = 8 // _BITS[format]
+    planes = field_major(codes_x.astype(np.int16), per, data.shape[1]).reshape(M, per, -1)
     (_gemv2 if per == 4 else _gemv1)(planes, data, acc)
     rowsum = codes_x.sum(axis=1, dtype=np.int32)[:, None]
     return acc - rowsum if format == "ternary" else 2 * acc - rowsum
@@ -565,6 +556,7 @@ def _spread_tables():
 
 
 _SPREAD2, _SPREAD1 = _spread_tables()
+_PANEL, _TILE_ROWS = _simd.PANEL, _simd.TILE_ROWS  # what the tile intrinsics are built for
 
 
 @numba.njit(parallel=True, cache=True)
@@ -579,8 +571,8 @@ def _gemm_vnni(a, data, bits, xsum, scale_x, scale_w, out):
     M = a.shape[0]
     count = a.shape[1] // 4
     N, nbytes = data.shape
-    P = 64  # _simd.PANEL
-    R = 6  # _simd.TILE_ROWS
+    P = _PANEL
+    R = _TILE_ROWS
     stride = 1 if scale_w.shape[0] > 1 else 0
     spread2 = _SPREAD2
     spread1 = _SPREAD1
@@ -658,13 +650,10 @@ def _gemm(codes_x, scale_x, data, scale_w, format, K, out):
     N, nbytes = data.shape
     bits = _BITS[format]
     if USE_VNNI:
-        count = -(-K // 4)
-        a = np.zeros((M, 4 * count), np.int8)
-        a[:, :K] = codes_x
-        xsum = codes_x.sum(axis=1, dtype=np.int32)
-        if bits == 8:
-            xsum *= np.int32(128)
-        _gemm_vnni(a, data, bits, xsum, scale_x, scale_w, out)
+        a = np.empty((M, 1, 4 * -(-K // 4)), np.int8)  # one "plane": the codes, zero past K
+        xsum = np.empty(M, dtype=np.int32)
+        _vnni_planes(codes_x, 1, 128 if bits == 8 else 1, a, xsum)
+        _gemm_vnni(a.reshape(M, -1), data, bits, xsum, scale_x, scale_w, out)
         return out
     per = 8 // bits
     # Activations in the tiles' field-major K order, zero past K, laid out for one chunk over K

@@ -96,10 +96,7 @@ def checked_packed(pw, name):
     """A PackedWeight's fields checked against its format and shape (a hand-built one could send
     the kernels past its data); returns it, with ``data`` made contiguous where it was not.
     Messages name ``name.field``."""
-    bits = WEIGHT_FORMATS.get(pw.format) if isinstance(pw.format, str) else None
-    if bits is None:
-        raise ValueError(f"{name}.format must be one of {tuple(WEIGHT_FORMATS)}, "
-                         f"got {pw.format!r}")
+    bits = WEIGHT_FORMATS[weight_format(pw.format, f"{name}.format")]
     if not (isinstance(pw.shape, tuple) and len(pw.shape) == 2
             and all(isinstance(d, (int, np.integer)) and d > 0 for d in pw.shape)):
         raise ValueError(f"{name}.shape must be (K, N) with positive integers, got {pw.shape!r}")
