@@ -2,7 +2,8 @@
 //
 // Compiled three ways: NVRTC through cupy.RawModule (lowbit/_kernels.py), NVRTC compile checks
 // (lowbit/_nvrtc.py, tests/test_nvrtc.py), and g++ under the cudasim emulation header
-// (cuda/cudasim.cuh force-included by lowbit/_cudasim.py, which defines LOWBIT_CUDASIM).
+// (cuda/cudasim.cuh force-included by lowbit/_cudasim_build.py, which defines
+// LOWBIT_CUDASIM).
 #pragma once
 
 #if defined(__CUDACC_RTC__)
@@ -35,6 +36,12 @@ namespace lowbit {
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 
+// Weight formats: the FMT template argument of quantize.cu and packed_matmul.cu (their
+// launchers' _FORMAT_ID).
+constexpr int kTernary = 0;
+constexpr int kSign = 1;
+constexpr int kInt8 = 2;
+
 // Global index and stride of a 1-D grid-stride loop, in 64 bits: products of dimensions can
 // pass 2^31.
 __device__ __forceinline__ int64_t grid_index() {
@@ -44,18 +51,52 @@ __device__ __forceinline__ int64_t grid_stride() {
     return static_cast<int64_t>(gridDim.x) * blockDim.x;
 }
 
-// Warp-wide sum; every lane of the warp must call it.
-__device__ __forceinline__ float warp_sum(float v) {
+// Float and double overloads of the libm functions the templated kernels call.
+__device__ __forceinline__ float exp_of(float x) { return expf(x); }
+__device__ __forceinline__ double exp_of(double x) { return exp(x); }
+__device__ __forceinline__ float log_of(float x) { return logf(x); }
+__device__ __forceinline__ double log_of(double x) { return log(x); }
+__device__ __forceinline__ float log1p_of(float x) { return log1pf(x); }
+__device__ __forceinline__ double log1p_of(double x) { return log1p(x); }
+
+// Round half to even (DESIGN.md: integer codes agree bitwise with np.rint on every backend).
+__device__ __forceinline__ float round_even(float v) { return rintf(v); }
+__device__ __forceinline__ double round_even(double v) { return rint(v); }
+
+// Larger of two values; fmaxf/fmax for floating point (a NaN operand yields the other one).
+__device__ __forceinline__ float max_of(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double max_of(double a, double b) { return fmax(a, b); }
+
+// Warp all-reduce: an xor butterfly, so every lane gets the result, in a fixed order
+// (deterministic). Every lane of the warp must call it.
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
     for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
         v += __shfl_xor_sync(kFullMask, v, offset);
     }
     return v;
 }
-__device__ __forceinline__ float warp_max(float v) {
+template <typename T>
+__device__ __forceinline__ T warp_max(T v) {
     for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-        v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
+        v = max_of(v, __shfl_xor_sync(kFullMask, v, offset));
     }
     return v;
+}
+
+// Bit packing, LSB-first (DESIGN.md): code j of a byte holds bits [j * BITS, (j + 1) * BITS).
+constexpr int kBitsPerByte = 8;
+template <int BITS>
+constexpr int kCodesPerByte = kBitsPerByte / BITS;
+// Code j of `byte`.
+template <int BITS>
+__device__ __forceinline__ unsigned unpack_code(unsigned byte, int j) {
+    return (byte >> (j * BITS)) & ((1u << BITS) - 1u);
+}
+// `code` (below 2**BITS) moved to its place j in a byte, to be or-ed with the others.
+template <int BITS>
+__device__ __forceinline__ unsigned pack_code(unsigned code, int j) {
+    return code << (j * BITS);
 }
 
 }  // namespace lowbit

@@ -1,10 +1,10 @@
 // cudasim: compile lowbit's CUDA C++ kernels with g++ and run them on the CPU.
 //
-// lowbit/_cudasim.py force-includes this header (g++ -include) in front of a cuda/<op>.cu
-// file, defines LOWBIT_CUDASIM, appends one extern "C" trampoline per name expression and
-// builds a shared library; tests/test_cudasim.py tests the header with tests/cuda/*.cu. The
-// dynamic shared memory macro that kernels use lives in cuda/common.cuh and calls
-// lowbit_sim_dynamic_shared() from here.
+// lowbit/_cudasim_build.py force-includes this header (g++ -include) in front of a
+// cuda/<op>.cu file and defines LOWBIT_CUDASIM, lowbit/_cudasim.py appends one extern "C"
+// trampoline per name expression, and the result is built into a shared library;
+// tests/test_cudasim.py tests the header with tests/cuda/*.cu. The dynamic shared memory macro
+// that kernels use lives in cuda/common.cuh and calls lowbit_sim_dynamic_shared() from here.
 //
 // Execution model (see DESIGN.md, "cudasim"):
 //   * one OS thread per CUDA thread, from a per-library pool of worker threads with a fixed
@@ -34,14 +34,16 @@
 //     process: neither can be caught;
 //   * a failing device assert() or __trap() aborts the launch with its message.
 //
-// Numerics: plain C++ float arithmetic without FMA contraction (lowbit/_cudasim.py passes
+// Numerics: plain C++ float arithmetic without FMA contraction (lowbit/_cudasim_build.py passes
 // -ffp-contract=off), while NVRTC contracts a * b + c into an FMA by default, so float results
-// may differ from a GPU in the last bits; the fast-math intrinsics (__expf, __fdividef, ...)
-// are computed to full precision.
+// may differ from a GPU in the last bits; the fast-math intrinsics (__expf, __fdividef) are
+// computed to full precision.
 //
 // Everything NVRTC provides implicitly (no #include needed there) that lowbit kernels use is
-// declared here. The g++ side also sees the C++ standard headers included below; the NVRTC
-// compile check (lowbit/_nvrtc.py) is what keeps kernels free of them.
+// declared here, and nothing they do not use: tests/test_cudasim.py holds every intrinsic to a
+// use in cuda/*.cu or tests/cuda/*.cu (add one together with a test kernel). The g++ side also
+// sees the C++ standard headers included below; the NVRTC compile check (lowbit/_nvrtc.py) is
+// what keeps kernels free of them.
 #pragma once
 
 #ifndef LOWBIT_CUDASIM
@@ -101,61 +103,11 @@
 #define LOWBIT_SIM_EXPORT __attribute__((visibility("default")))
 
 // ---------------------------------------------------------------------------------------------
-// Vector types (CUDA's alignments, aggregates so that __shared__ arrays of them need no
-// constructor) and their make_* functions.
+// Index types
 // ---------------------------------------------------------------------------------------------
-#define LOWBIT_SIM_VEC1(T, N, A)                          \
-    struct __attribute__((aligned(A))) N { T x; };         \
-    inline N make_##N(T x) { return N{x}; }
-#define LOWBIT_SIM_VEC2(T, N, A)                          \
-    struct __attribute__((aligned(A))) N { T x, y; };      \
-    inline N make_##N(T x, T y) { return N{x, y}; }
-#define LOWBIT_SIM_VEC3(T, N)                             \
-    struct N { T x, y, z; };                               \
-    inline N make_##N(T x, T y, T z) { return N{x, y, z}; }
-#define LOWBIT_SIM_VEC4(T, N, A)                          \
-    struct __attribute__((aligned(A))) N { T x, y, z, w; }; \
-    inline N make_##N(T x, T y, T z, T w) { return N{x, y, z, w}; }
-
-LOWBIT_SIM_VEC1(signed char, char1, 1)
-LOWBIT_SIM_VEC2(signed char, char2, 2)
-LOWBIT_SIM_VEC3(signed char, char3)
-LOWBIT_SIM_VEC4(signed char, char4, 4)
-LOWBIT_SIM_VEC1(unsigned char, uchar1, 1)
-LOWBIT_SIM_VEC2(unsigned char, uchar2, 2)
-LOWBIT_SIM_VEC3(unsigned char, uchar3)
-LOWBIT_SIM_VEC4(unsigned char, uchar4, 4)
-LOWBIT_SIM_VEC1(short, short1, 2)
-LOWBIT_SIM_VEC2(short, short2, 4)
-LOWBIT_SIM_VEC3(short, short3)
-LOWBIT_SIM_VEC4(short, short4, 8)
-LOWBIT_SIM_VEC1(unsigned short, ushort1, 2)
-LOWBIT_SIM_VEC2(unsigned short, ushort2, 4)
-LOWBIT_SIM_VEC3(unsigned short, ushort3)
-LOWBIT_SIM_VEC4(unsigned short, ushort4, 8)
-LOWBIT_SIM_VEC1(int, int1, 4)
-LOWBIT_SIM_VEC2(int, int2, 8)
-LOWBIT_SIM_VEC3(int, int3)
-LOWBIT_SIM_VEC4(int, int4, 16)
-LOWBIT_SIM_VEC1(unsigned int, uint1, 4)
-LOWBIT_SIM_VEC2(unsigned int, uint2, 8)
-LOWBIT_SIM_VEC3(unsigned int, uint3)
-LOWBIT_SIM_VEC4(unsigned int, uint4, 16)
-LOWBIT_SIM_VEC1(long long, longlong1, 8)
-LOWBIT_SIM_VEC2(long long, longlong2, 16)
-LOWBIT_SIM_VEC1(unsigned long long, ulonglong1, 8)
-LOWBIT_SIM_VEC2(unsigned long long, ulonglong2, 16)
-LOWBIT_SIM_VEC1(float, float1, 4)
-LOWBIT_SIM_VEC2(float, float2, 8)
-LOWBIT_SIM_VEC3(float, float3)
-LOWBIT_SIM_VEC4(float, float4, 16)
-LOWBIT_SIM_VEC1(double, double1, 8)
-LOWBIT_SIM_VEC2(double, double2, 16)
-
-#undef LOWBIT_SIM_VEC1
-#undef LOWBIT_SIM_VEC2
-#undef LOWBIT_SIM_VEC3
-#undef LOWBIT_SIM_VEC4
+struct uint3 {
+    unsigned int x, y, z;
+};
 
 struct dim3 {
     unsigned int x, y, z;
@@ -204,14 +156,7 @@ enum WarpOp : int {
     kOpBallot,
     kOpAny,
     kOpAll,
-    kOpMatchAny,
-    kOpMatchAll,
     kOpReduceAdd,
-    kOpReduceMin,
-    kOpReduceMax,
-    kOpReduceAnd,
-    kOpReduceOr,
-    kOpReduceXor,
 };
 
 inline const char* op_name(int op) {
@@ -224,14 +169,7 @@ inline const char* op_name(int op) {
         case kOpBallot: return "__ballot_sync";
         case kOpAny: return "__any_sync";
         case kOpAll: return "__all_sync";
-        case kOpMatchAny: return "__match_any_sync";
-        case kOpMatchAll: return "__match_all_sync";
         case kOpReduceAdd: return "__reduce_add_sync";
-        case kOpReduceMin: return "__reduce_min_sync";
-        case kOpReduceMax: return "__reduce_max_sync";
-        case kOpReduceAnd: return "__reduce_and_sync";
-        case kOpReduceOr: return "__reduce_or_sync";
-        case kOpReduceXor: return "__reduce_xor_sync";
         default: return "warp intrinsic";
     }
 }
@@ -819,28 +757,6 @@ inline unsigned ballot_of(const WarpView& v) {
     return bits;
 }
 
-template <class T>
-inline unsigned match_any(unsigned mask, T value) {
-    const uint64_t bits = to_bits(value);
-    const WarpView v = warp_sync(mask, kOpMatchAny, bits);
-    unsigned out = 0;
-    for (unsigned m = v.members; m; m &= m - 1) {
-        const int lane = std::countr_zero(m);
-        if (v.vals[lane] == bits) out |= 1u << lane;
-    }
-    return out;
-}
-
-template <class T>
-inline unsigned match_all(unsigned mask, T value, int* pred) {
-    const uint64_t bits = to_bits(value);
-    const WarpView v = warp_sync(mask, kOpMatchAll, bits);
-    bool all = true;
-    for (unsigned m = v.members; m; m &= m - 1) all &= v.vals[std::countr_zero(m)] == bits;
-    *pred = all;
-    return all ? v.members : 0u;
-}
-
 template <class T, class F>
 inline T warp_reduce(int op, unsigned mask, T value, F combine) {
     const WarpView v = warp_sync(mask, op, to_bits(value));
@@ -1047,10 +963,6 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
 }
 inline unsigned __activemask() { return lowbit_sim::block().warps[lowbit_sim::t_warp].live; }
 
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-
 [[noreturn]] inline void __trap() {
     lowbit_sim::Block& b = lowbit_sim::block();
     {
@@ -1106,57 +1018,12 @@ inline int __all_sync(unsigned mask, int pred) {
     return lowbit_sim::ballot_of(v) == v.members;
 }
 
-#define LOWBIT_SIM_MATCH(T)                                                \
-    inline unsigned __match_any_sync(unsigned mask, T value) {             \
-        return lowbit_sim::match_any<T>(mask, value);                      \
-    }                                                                      \
-    inline unsigned __match_all_sync(unsigned mask, T value, int* pred) {  \
-        return lowbit_sim::match_all<T>(mask, value, pred);                \
-    }
-LOWBIT_SIM_MATCH(int)
-LOWBIT_SIM_MATCH(unsigned int)
-LOWBIT_SIM_MATCH(long)
-LOWBIT_SIM_MATCH(unsigned long)
-LOWBIT_SIM_MATCH(long long)
-LOWBIT_SIM_MATCH(unsigned long long)
-LOWBIT_SIM_MATCH(float)
-LOWBIT_SIM_MATCH(double)
-#undef LOWBIT_SIM_MATCH
-
 inline unsigned __reduce_add_sync(unsigned mask, unsigned value) {
     return lowbit_sim::warp_reduce<unsigned>(lowbit_sim::kOpReduceAdd, mask, value,
                                              [](unsigned a, unsigned b) { return a + b; });
 }
 inline int __reduce_add_sync(unsigned mask, int value) {
     return static_cast<int>(__reduce_add_sync(mask, static_cast<unsigned>(value)));
-}
-inline unsigned __reduce_min_sync(unsigned mask, unsigned value) {
-    return lowbit_sim::warp_reduce<unsigned>(lowbit_sim::kOpReduceMin, mask, value,
-                                             [](unsigned a, unsigned b) { return a < b ? a : b; });
-}
-inline int __reduce_min_sync(unsigned mask, int value) {
-    return lowbit_sim::warp_reduce<int>(lowbit_sim::kOpReduceMin, mask, value,
-                                        [](int a, int b) { return a < b ? a : b; });
-}
-inline unsigned __reduce_max_sync(unsigned mask, unsigned value) {
-    return lowbit_sim::warp_reduce<unsigned>(lowbit_sim::kOpReduceMax, mask, value,
-                                             [](unsigned a, unsigned b) { return a > b ? a : b; });
-}
-inline int __reduce_max_sync(unsigned mask, int value) {
-    return lowbit_sim::warp_reduce<int>(lowbit_sim::kOpReduceMax, mask, value,
-                                        [](int a, int b) { return a > b ? a : b; });
-}
-inline unsigned __reduce_and_sync(unsigned mask, unsigned value) {
-    return lowbit_sim::warp_reduce<unsigned>(lowbit_sim::kOpReduceAnd, mask, value,
-                                             [](unsigned a, unsigned b) { return a & b; });
-}
-inline unsigned __reduce_or_sync(unsigned mask, unsigned value) {
-    return lowbit_sim::warp_reduce<unsigned>(lowbit_sim::kOpReduceOr, mask, value,
-                                             [](unsigned a, unsigned b) { return a | b; });
-}
-inline unsigned __reduce_xor_sync(unsigned mask, unsigned value) {
-    return lowbit_sim::warp_reduce<unsigned>(lowbit_sim::kOpReduceXor, mask, value,
-                                             [](unsigned a, unsigned b) { return a ^ b; });
 }
 
 // Atomics: relaxed, as on the GPU; __syncthreads() orders them.
@@ -1183,10 +1050,6 @@ LOWBIT_SIM_ATOMIC_RMW(atomicOr, int, fetch_or)
 LOWBIT_SIM_ATOMIC_RMW(atomicOr, unsigned int, fetch_or)
 LOWBIT_SIM_ATOMIC_RMW(atomicOr, long long, fetch_or)
 LOWBIT_SIM_ATOMIC_RMW(atomicOr, unsigned long long, fetch_or)
-LOWBIT_SIM_ATOMIC_RMW(atomicXor, int, fetch_xor)
-LOWBIT_SIM_ATOMIC_RMW(atomicXor, unsigned int, fetch_xor)
-LOWBIT_SIM_ATOMIC_RMW(atomicXor, long long, fetch_xor)
-LOWBIT_SIM_ATOMIC_RMW(atomicXor, unsigned long long, fetch_xor)
 #undef LOWBIT_SIM_ATOMIC_RMW
 
 #define LOWBIT_SIM_ATOMIC_MINMAX(T)                                                        \
@@ -1208,19 +1071,11 @@ inline unsigned long long atomicCAS(unsigned long long* address, unsigned long l
                                     unsigned long long val) {
     return lowbit_sim::atomic_cas(address, compare, val);
 }
-// CUDA's wrapping increment/decrement.
+// CUDA's wrapping increment.
 inline unsigned atomicInc(unsigned* address, unsigned val) {
     std::atomic_ref<unsigned> ref(*address);
     unsigned old = ref.load(std::memory_order_relaxed);
     while (!ref.compare_exchange_weak(old, old >= val ? 0u : old + 1u, std::memory_order_relaxed)) {
-    }
-    return old;
-}
-inline unsigned atomicDec(unsigned* address, unsigned val) {
-    std::atomic_ref<unsigned> ref(*address);
-    unsigned old = ref.load(std::memory_order_relaxed);
-    while (!ref.compare_exchange_weak(old, (old == 0u || old > val) ? val : old - 1u,
-                                      std::memory_order_relaxed)) {
     }
     return old;
 }
@@ -1251,45 +1106,16 @@ inline double max(float a, double b) { return fmax(a, b); }
 inline double min(double a, float b) { return fmin(a, b); }
 inline double max(double a, float b) { return fmax(a, b); }
 
-// Float intrinsics. The fast-math ones (__expf, __logf, __fdividef, ...) are computed to full
-// precision here: kernels may not depend on their GPU error.
+// Float intrinsics. The fast-math ones (__expf, __fdividef) are computed to full precision
+// here: kernels may not depend on their GPU error.
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
-inline double rsqrt(double x) { return 1.0 / sqrt(x); }
-inline float rcbrtf(float x) { return 1.0f / cbrtf(x); }
 inline float __expf(float x) { return expf(x); }
-inline float __exp10f(float x) { return powf(10.0f, x); }
-inline float __logf(float x) { return logf(x); }
-inline float __log2f(float x) { return log2f(x); }
-inline float __log10f(float x) { return log10f(x); }
-inline float __powf(float x, float y) { return powf(x, y); }
-inline float __sinf(float x) { return sinf(x); }
-inline float __cosf(float x) { return cosf(x); }
-inline float __tanf(float x) { return tanf(x); }
-inline float __tanhf(float x) { return tanhf(x); }
-inline void __sincosf(float x, float* s, float* c) {
-    *s = sinf(x);
-    *c = cosf(x);
-}
 inline float __fdividef(float a, float b) { return a / b; }
-inline float fdividef(float a, float b) { return a / b; }
 inline float __saturatef(float x) { return x >= 1.0f ? 1.0f : (x > 0.0f ? x : 0.0f); }
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
-inline float __fmul_rn(float a, float b) { return a * b; }
-inline float __fdiv_rn(float a, float b) { return a / b; }
-inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
-inline float __frcp_rn(float x) { return 1.0f / x; }
-inline float __fsqrt_rn(float x) { return sqrtf(x); }
-inline double __dadd_rn(double a, double b) { return a + b; }
-inline double __dmul_rn(double a, double b) { return a * b; }
-inline double __fma_rn(double a, double b, double c) { return fma(a, b, c); }
 
 inline float __int_as_float(int x) { return std::bit_cast<float>(x); }
 inline int __float_as_int(float x) { return std::bit_cast<int>(x); }
-inline float __uint_as_float(unsigned x) { return std::bit_cast<float>(x); }
-inline unsigned __float_as_uint(float x) { return std::bit_cast<unsigned>(x); }
 inline double __longlong_as_double(long long x) { return std::bit_cast<double>(x); }
-inline long long __double_as_longlong(double x) { return std::bit_cast<long long>(x); }
 
 namespace lowbit_sim {
 // GPU float -> integer conversion: NaN gives 0, out-of-range values saturate.
@@ -1303,35 +1129,14 @@ inline I cvt_sat(F r) {
 }  // namespace lowbit_sim
 
 inline int __float2int_rn(float x) { return lowbit_sim::cvt_sat<int>(nearbyintf(x)); }
-inline int __float2int_rz(float x) { return lowbit_sim::cvt_sat<int>(truncf(x)); }
-inline int __float2int_rd(float x) { return lowbit_sim::cvt_sat<int>(floorf(x)); }
-inline int __float2int_ru(float x) { return lowbit_sim::cvt_sat<int>(ceilf(x)); }
-inline unsigned __float2uint_rn(float x) { return lowbit_sim::cvt_sat<unsigned>(nearbyintf(x)); }
-inline unsigned __float2uint_rz(float x) { return lowbit_sim::cvt_sat<unsigned>(truncf(x)); }
-inline long long __float2ll_rn(float x) { return lowbit_sim::cvt_sat<long long>(nearbyintf(x)); }
-inline long long __float2ll_rz(float x) { return lowbit_sim::cvt_sat<long long>(truncf(x)); }
-inline int __double2int_rn(double x) { return lowbit_sim::cvt_sat<int>(nearbyint(x)); }
-inline int __double2int_rz(double x) { return lowbit_sim::cvt_sat<int>(trunc(x)); }
-inline float __int2float_rn(int x) { return static_cast<float>(x); }
-inline float __uint2float_rn(unsigned x) { return static_cast<float>(x); }
-inline float __ll2float_rn(long long x) { return static_cast<float>(x); }
-inline float __double2float_rn(double x) { return static_cast<float>(x); }
 
 // Integer intrinsics.
 inline int __popc(unsigned x) { return std::popcount(x); }
-inline int __popcll(unsigned long long x) { return std::popcount(x); }
 inline int __clz(int x) { return std::countl_zero(static_cast<unsigned>(x)); }
-inline int __clzll(long long x) { return std::countl_zero(static_cast<unsigned long long>(x)); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
-inline int __ffsll(long long x) { return __builtin_ffsll(x); }
 inline unsigned __brev(unsigned x) {
     unsigned r = 0;
     for (int i = 0; i < 32; ++i) r |= ((x >> i) & 1u) << (31 - i);
-    return r;
-}
-inline unsigned long long __brevll(unsigned long long x) {
-    unsigned long long r = 0;
-    for (int i = 0; i < 64; ++i) r |= ((x >> i) & 1ull) << (63 - i);
     return r;
 }
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
@@ -1342,37 +1147,6 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
         r |= static_cast<unsigned>((src >> (8 * sel)) & 0xffu) << (8 * i);
     }
     return r;
-}
-inline unsigned __funnelshift_l(unsigned lo, unsigned hi, unsigned shift) {
-    const unsigned long long v = (static_cast<unsigned long long>(hi) << 32) | lo;
-    return static_cast<unsigned>((v << (shift & 31u)) >> 32);
-}
-inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
-    const unsigned long long v = (static_cast<unsigned long long>(hi) << 32) | lo;
-    return static_cast<unsigned>(v >> (shift & 31u));
-}
-inline int __mulhi(int a, int b) { return static_cast<int>((1ll * a * b) >> 32); }
-inline unsigned __umulhi(unsigned a, unsigned b) {
-    return static_cast<unsigned>((1ull * a * b) >> 32);
-}
-inline long long __mul64hi(long long a, long long b) {
-    return static_cast<long long>((static_cast<__int128>(a) * b) >> 64);
-}
-inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
-    return static_cast<unsigned long long>((static_cast<unsigned __int128>(a) * b) >> 64);
-}
-inline int __mul24(int a, int b) {
-    return static_cast<int>(static_cast<unsigned>((a << 8) >> 8) *
-                            static_cast<unsigned>((b << 8) >> 8));
-}
-inline unsigned __umul24(unsigned a, unsigned b) { return (a & 0xffffffu) * (b & 0xffffffu); }
-inline int __hadd(int a, int b) { return static_cast<int>((1ll * a + b) >> 1); }
-inline int __rhadd(int a, int b) { return static_cast<int>((1ll * a + b + 1) >> 1); }
-inline unsigned __uhadd(unsigned a, unsigned b) {
-    return static_cast<unsigned>((1ull * a + b) >> 1);
-}
-inline unsigned __urhadd(unsigned a, unsigned b) {
-    return static_cast<unsigned>((1ull * a + b + 1) >> 1);
 }
 
 // Four-way byte dot products with 32-bit accumulate (wrapping, as on the GPU).
@@ -1389,54 +1163,6 @@ inline unsigned __dp4a(unsigned a, unsigned b, unsigned c) {
     unsigned acc = c;
     for (int i = 0; i < 4; ++i) acc += ((a >> (8 * i)) & 0xffu) * ((b >> (8 * i)) & 0xffu);
     return acc;
-}
-inline int __dp4a(char4 a, char4 b, int c) {
-    return __dp4a(std::bit_cast<int>(a), std::bit_cast<int>(b), c);
-}
-inline unsigned __dp4a(uchar4 a, uchar4 b, unsigned c) {
-    return __dp4a(std::bit_cast<unsigned>(a), std::bit_cast<unsigned>(b), c);
-}
-
-// Loads and stores with cache hints: plain memory accesses here.
-template <class T>
-inline T __ldg(const T* p) {
-    return *p;
-}
-template <class T>
-inline T __ldca(const T* p) {
-    return *p;
-}
-template <class T>
-inline T __ldcg(const T* p) {
-    return *p;
-}
-template <class T>
-inline T __ldcs(const T* p) {
-    return *p;
-}
-template <class T>
-inline T __ldlu(const T* p) {
-    return *p;
-}
-template <class T>
-inline T __ldcv(const T* p) {
-    return *p;
-}
-template <class T>
-inline void __stwb(T* p, T v) {
-    *p = v;
-}
-template <class T>
-inline void __stcg(T* p, T v) {
-    *p = v;
-}
-template <class T>
-inline void __stcs(T* p, T v) {
-    *p = v;
-}
-template <class T>
-inline void __stwt(T* p, T v) {
-    *p = v;
 }
 
 // Device assert(): a failure aborts the launch (RuntimeError in Python) instead of the process.

@@ -14,16 +14,8 @@ namespace gated_delta {
 // Lanes per block: one warp, so every reduction over columns is a warp shuffle.
 constexpr int kLanes = lowbit::kWarpSize;
 
-__device__ __forceinline__ float exp_of(float x) { return expf(x); }
-__device__ __forceinline__ double exp_of(double x) { return exp(x); }
-
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-    for (int offset = kLanes / 2; offset > 0; offset /= 2) {
-        v += __shfl_xor_sync(lowbit::kFullMask, v, offset);
-    }
-    return v;
-}
+using lowbit::exp_of;
+using lowbit::warp_sum;
 
 // Shapes and strides shared by the kernels.
 struct Dims {

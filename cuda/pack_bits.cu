@@ -8,7 +8,7 @@ template <int BITS>
 __global__ void pack_bits(const uint8_t* __restrict__ codes,  // [rows, n]
                           uint8_t* __restrict__ packed,       // [rows, nbytes]
                           int64_t rows, int64_t n, int64_t nbytes) {
-    constexpr int kPerByte = 8 / BITS;
+    constexpr int kPerByte = lowbit::kCodesPerByte<BITS>;
     const int64_t total = rows * nbytes;
     for (int64_t idx = lowbit::grid_index(); idx < total; idx += lowbit::grid_stride()) {
         const int64_t r = idx / nbytes;
@@ -17,7 +17,7 @@ __global__ void pack_bits(const uint8_t* __restrict__ codes,  // [rows, n]
         unsigned v = 0;
 #pragma unroll
         for (int j = 0; j < kPerByte; ++j) {
-            if (start + j < n) v |= static_cast<unsigned>(row[start + j]) << (j * BITS);
+            if (start + j < n) v |= lowbit::pack_code<BITS>(row[start + j], j);
         }
         packed[idx] = static_cast<uint8_t>(v);
     }
@@ -28,13 +28,13 @@ template <int BITS>
 __global__ void unpack_bits(const uint8_t* __restrict__ packed,  // [rows, nbytes]
                             uint8_t* __restrict__ codes,         // [rows, count]
                             int64_t rows, int64_t count, int64_t nbytes) {
-    constexpr int kPerByte = 8 / BITS;
-    constexpr unsigned kMask = (1u << BITS) - 1u;
+    constexpr int kPerByte = lowbit::kCodesPerByte<BITS>;
     const int64_t total = rows * count;
     for (int64_t idx = lowbit::grid_index(); idx < total; idx += lowbit::grid_stride()) {
         const int64_t r = idx / count;
         const int64_t i = idx - r * count;
         const unsigned byte = packed[r * nbytes + i / kPerByte];
-        codes[idx] = static_cast<uint8_t>((byte >> ((i % kPerByte) * BITS)) & kMask);
+        codes[idx] = static_cast<uint8_t>(
+            lowbit::unpack_code<BITS>(byte, static_cast<int>(i % kPerByte)));
     }
 }

@@ -10,14 +10,14 @@
 
 namespace lowbit_pm {
 
-constexpr int kTernary = 0;
-constexpr int kSign = 1;
-constexpr int kInt8 = 2;
+using lowbit::kInt8;
+using lowbit::kSign;
+using lowbit::kTernary;
 
 template <int FMT>
 struct Format {
     static constexpr int kBits = FMT == kTernary ? 2 : (FMT == kSign ? 1 : 8);
-    static constexpr int kPerByte = 8 / kBits;
+    static constexpr int kPerByte = lowbit::kCodesPerByte<kBits>;
 };
 
 // Signed code of weight (k, n); `row` is data + n * bytes_per_row.
@@ -25,8 +25,8 @@ template <int FMT>
 __device__ __forceinline__ int weight_code(const uint8_t* __restrict__ row, int64_t k) {
     if (FMT == kInt8) return static_cast<int8_t>(row[k]);
     constexpr int kPer = Format<FMT>::kPerByte;
-    const int field = (row[k / kPer] >> ((k % kPer) * Format<FMT>::kBits)) &
-                      ((1 << Format<FMT>::kBits) - 1);
+    const int field = static_cast<int>(
+        lowbit::unpack_code<Format<FMT>::kBits>(row[k / kPer], static_cast<int>(k % kPer)));
     return FMT == kTernary ? field - 1 : 2 * field - 1;
 }
 
@@ -52,13 +52,6 @@ __device__ __forceinline__ int act_code4(const int8_t* __restrict__ row, int64_t
         if (k0 + j < K) word |= (static_cast<unsigned>(row[k0 + j]) & 0xffu) << (8 * j);
     }
     return static_cast<int>(word);
-}
-
-__device__ __forceinline__ int warp_sum_int(int v) {
-    for (int offset = lowbit::kWarpSize / 2; offset > 0; offset /= 2) {
-        v += __shfl_xor_sync(lowbit::kFullMask, v, offset);
-    }
-    return v;
 }
 
 // D = A * B + C on int8 tensor cores: mma.sync m16n8k32, A row-major 16x32, B column-major
@@ -142,7 +135,7 @@ __global__ void gemv_int(const int8_t* __restrict__ codes_x,  // [M, K]
     for (int64_t k0 = 4 * static_cast<int64_t>(lane); k0 < K; k0 += 4 * lowbit::kWarpSize) {
         acc = __dp4a(act_code4(xr, k0, K), weight_code4<FMT>(row, k0, K), acc);
     }
-    acc = warp_sum_int(acc);
+    acc = lowbit::warp_sum(acc);
     if (lane == 0) y[m * N + n] = scale_acc(acc, scale_x[m], scale_w[n * scale_w_stride]);
 }
 

@@ -5,9 +5,9 @@
 
 namespace lowbit_quantize {
 
-constexpr int kTernary = 0;
-constexpr int kSign = 1;
-constexpr int kInt8 = 2;
+using lowbit::kInt8;
+using lowbit::kSign;
+using lowbit::kTernary;
 constexpr int kInt8Max = 127;
 // Scale floor applied to the statistic before dividing by the level count (BitNet b1.58's).
 constexpr double kEps = 1e-5;
@@ -16,8 +16,7 @@ constexpr int kRowThreads = 128;
 // Bit pattern of a float quiet NaN: the scale reported for a row holding a non-finite value.
 constexpr int kQuietNanBits = 0x7fc00000;
 
-__device__ __forceinline__ float round_even(float v) { return rintf(v); }
-__device__ __forceinline__ double round_even(double v) { return rint(v); }
+using lowbit::round_even;
 
 template <typename T>
 __device__ __forceinline__ T clamp(T v, T lo, T hi) {

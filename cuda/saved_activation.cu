@@ -52,7 +52,7 @@ __device__ __forceinline__ uint32_t quantize(float v, float lo, float scale, flo
                                              bool nonneg, bool stochastic, uint64_t index,
                                              uint64_t key) {
     const float t = (v - lo) / scale;
-    float q = stochastic ? floorf(add_rn(t, noise(index, key))) : rintf(t);
+    float q = stochastic ? floorf(add_rn(t, noise(index, key))) : lowbit::round_even(t);
     q = fminf(fmaxf(q, 0.0f), levels);
     uint32_t c = static_cast<uint32_t>(q);
     if (nonneg && c == 0u && v > 0.0f) c = 1u;
@@ -129,7 +129,7 @@ __global__ void pack_dense(const T* __restrict__ x,            // [rows, n]
                            int64_t group_size, int64_t groups_per_task, int32_t nonneg,
                            int32_t stochastic, uint64_t key) {
     using namespace saved_activation;
-    constexpr int kPerByte = 8 / BITS;
+    constexpr int kPerByte = lowbit::kCodesPerByte<BITS>;
     const float levels = static_cast<float>((1 << BITS) - 1);
     __shared__ float scratch[kMaxWarps];
     __shared__ float task_lo[kMaxTaskGroups];
@@ -183,7 +183,7 @@ __global__ void pack_dense(const T* __restrict__ x,            // [rows, n]
                                                 task_scale[local], levels, nonneg != 0,
                                                 stochastic != 0,
                                                 static_cast<uint64_t>(r * n + i), key);
-                    byte |= c << (j * BITS);
+                    byte |= lowbit::pack_code<BITS>(c, j);
                 }
             }
             codes[r * row_bytes + b] = static_cast<uint8_t>(byte);
@@ -201,8 +201,7 @@ __global__ void unpack_dense(const uint8_t* __restrict__ codes,  // [rows, row_b
                              int64_t rows, int64_t n, int64_t row_bytes, int64_t groups,
                              int64_t group_size, int32_t nonneg) {
     using namespace saved_activation;
-    constexpr int kPerByte = 8 / BITS;
-    constexpr uint32_t kMask = (1u << BITS) - 1u;
+    constexpr int kPerByte = lowbit::kCodesPerByte<BITS>;
     const int64_t total = rows * row_bytes;
     for (int64_t idx = lowbit::grid_index(); idx < total; idx += lowbit::grid_stride()) {
         const int64_t r = idx / row_bytes;
@@ -213,8 +212,8 @@ __global__ void unpack_dense(const uint8_t* __restrict__ codes,  // [rows, row_b
             const int64_t i = b * kPerByte + j;
             if (i < n) {
                 const int64_t g = r * groups + i / group_size;
-                const float step = mul_rn(static_cast<float>((byte >> (j * BITS)) & kMask),
-                                          scales[g]);
+                const float step =
+                    mul_rn(static_cast<float>(lowbit::unpack_code<BITS>(byte, j)), scales[g]);
                 out[r * n + i] = nonneg ? step : add_rn(mins[g], step);
             }
         }
@@ -307,7 +306,7 @@ __global__ void sparse_quantize(const float* __restrict__ values,  // [nnz]
         if (threadIdx.x == 0) scales[g] = scale;
         for (int64_t k = g * group_size + threadIdx.x; k < stop; k += blockDim.x) {
             const float t = values[k] / scale;
-            const float q = stochastic ? floorf(add_rn(t, noise_in[k])) : rintf(t);
+            const float q = stochastic ? floorf(add_rn(t, noise_in[k])) : lowbit::round_even(t);
             // Every compacted value is positive: code 0 would turn it into a zero.
             codes[k] = static_cast<uint8_t>(fminf(fmaxf(q, 1.0f),
                                                   static_cast<float>(kSparseCodeMax)));

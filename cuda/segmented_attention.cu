@@ -21,10 +21,8 @@ constexpr int kBlockRows = kWarps * kRowsPerWarp;
 // kernels, queries in the dk/dv kernel).
 constexpr int kTile = 16;
 
-__device__ __forceinline__ float exp_of(float x) { return expf(x); }
-__device__ __forceinline__ double exp_of(double x) { return exp(x); }
-__device__ __forceinline__ float log_of(float x) { return logf(x); }
-__device__ __forceinline__ double log_of(double x) { return log(x); }
+using lowbit::exp_of;
+using lowbit::log_of;
 
 // -infinity from its bit pattern: NVRTC has no <cmath> INFINITY.
 constexpr int kNegInfFloatBits = static_cast<int>(0xff800000u);
@@ -38,15 +36,6 @@ __device__ __forceinline__ float neg_inf<float>() {
 template <>
 __device__ __forceinline__ double neg_inf<double>() {
     return __longlong_as_double(kNegInfDoubleBits);
-}
-
-// Sum over the warp, the result in every lane; a fixed butterfly order, so deterministic.
-template <typename T>
-__device__ __forceinline__ T warp_allsum(T v) {
-    for (int offset = lowbit::kWarpSize / 2; offset > 0; offset /= 2) {
-        v += __shfl_xor_sync(lowbit::kFullMask, v, offset);
-    }
-    return v;
 }
 
 // The segment holding row block `b`: the last s with block_prefix[s] <= b.
@@ -98,7 +87,7 @@ __device__ __forceinline__ T dot_shared(const T (&reg)[C], const T* __restrict__
         const int64_t d = lane + c * lowbit::kWarpSize;
         if (d < dim) part += reg[c] * row[d];
     }
-    return warp_allsum(part);
+    return lowbit::warp_sum(part);
 }
 
 template <typename T, int C>
@@ -220,7 +209,7 @@ __global__ void segmented_attention_bwd_delta(const T* __restrict__ dout,  // [T
         for (int64_t d = lane; d < dim_v; d += lowbit::kWarpSize) {
             part += dout[row * dim_v + d] * out[row * dim_v + d];
         }
-        part = segattn::warp_allsum(part);
+        part = lowbit::warp_sum(part);
         const int64_t t = row / heads;
         if (lane == 0) delta[(row - t * heads) * tokens + t] = part;
     }

@@ -14,18 +14,9 @@ namespace selective {
 // Lanes per block: one warp, so every reduction over P is a warp shuffle.
 constexpr int kLanes = lowbit::kWarpSize;
 
-__device__ __forceinline__ float exp_of(float x) { return expf(x); }
-__device__ __forceinline__ double exp_of(double x) { return exp(x); }
-__device__ __forceinline__ float log1p_of(float x) { return log1pf(x); }
-__device__ __forceinline__ double log1p_of(double x) { return log1p(x); }
-
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-    for (int offset = kLanes / 2; offset > 0; offset /= 2) {
-        v += __shfl_xor_sync(lowbit::kFullMask, v, offset);
-    }
-    return v;
-}
+using lowbit::exp_of;
+using lowbit::log1p_of;
+using lowbit::warp_sum;
 
 // log(1 + exp(z)) without overflow: softplus(100) is 100.
 template <typename T>

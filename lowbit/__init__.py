@@ -5,12 +5,32 @@ Backends: numpy and numba on numpy arrays, cuda on cupy arrays, cudasim (the CUD
 compiled for the CPU) when forced.
 """
 
+import importlib.util as _util
+import sys as _sys
 from pathlib import Path as _Path
 
-# A source checkout keeps reference/ beside lowbit/; the wheel maps it to lowbit/reference
-# (setup.cfg package_dir). Let a checkout import it under the same name.
-if not (_Path(__file__).parent / "reference").is_dir():
-    __path__.append(str(_Path(__file__).resolve().parent.parent))  # noqa: F821
+
+def _alias_reference():
+    """Register a checkout's ``reference/`` (beside ``lowbit/``) as ``lowbit.reference``.
+
+    The wheel maps ``reference/`` to ``lowbit/reference`` (setup.cfg ``package_dir``), and an
+    editable install's finder does the same; a bare checkout on ``sys.path`` has neither. Only
+    that one package is aliased: nothing else of the repository becomes part of ``lowbit``.
+    """
+    name = f"{__name__}.reference"
+    if name in _sys.modules or _util.find_spec(name) is not None:
+        return
+    init = _Path(__file__).resolve().parent.parent / "reference" / "__init__.py"
+    if not init.is_file():
+        return
+    spec = _util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
+    module = _util.module_from_spec(spec)
+    _sys.modules[name] = module
+    spec.loader.exec_module(module)
+    globals()["reference"] = module
+
+
+_alias_reference()
 
 from ._ctx import MemoryReport, memory_report
 from ._dispatch import BackendUnavailableError, available_backends, use_backend

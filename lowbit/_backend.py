@@ -102,3 +102,32 @@ def empty(shape, dtype, xp=np):
                 True if kind == "b" else np.iinfo(out.dtype).max if kind == "u" else -1
             )
     return out
+
+
+def numba_cache_guard(package_file: str, *owners: str) -> None:
+    """Make Numba's on-disk cache see edits to every file a kernel package depends on.
+
+    Numba (``cache=True``) keys each cached kernel on the stamp (mtime, size) of its own source
+    file, and freezes the globals and inlined helpers it reads from other files. Called at the top
+    of a kernel package's ``__init__`` (or of a kernel module, for the files beside it), this gives
+    every ``.py`` file of that folder the newest mtime among them and the ``owners`` (the modules
+    whose constants the kernels import), so an edit to any of them changes the stamp of every
+    kernel file and the kernels recompile. Once equal, the stamps stay put: no recompiles on later
+    imports. A read-only install is left as is (nothing there can be edited).
+
+    Args:
+        package_file: ``__file__`` of the package's ``__init__.py`` or of the kernel module.
+        owners: paths of further source files the kernels depend on.
+    """
+    import os
+    from pathlib import Path
+
+    files = sorted(Path(package_file).parent.glob("*.py"))
+    newest = max(os.stat(p).st_mtime_ns for p in [*files, *map(Path, owners)])
+    for path in files:
+        stat = os.stat(path)
+        if stat.st_mtime_ns != newest:
+            try:
+                os.utime(path, ns=(stat.st_atime_ns, newest))
+            except OSError:
+                return

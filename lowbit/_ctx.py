@@ -1,8 +1,9 @@
 """The ctx contract shared by every op: the saved-activation choke point and byte accounting.
 
-Every tensor a backward needs is stored in its ctx through ``save(x, saved, kind=...)``: with
-``saved=None`` the array is kept exact (``Exact``); otherwise the saved-activation policy of
-``lowbit/ops/saved_activation`` packs it (``PackedActivation``). ``Ctx.nbytes`` and
+Every tensor a backward needs is stored in its ctx through the saved-activation op's
+``save(x, saved, kind=...)`` (``lowbit/ops/saved_activation``): with ``saved=None`` the array is
+kept exact (``Exact``, defined here); otherwise it is packed (``PackedActivation``). This module
+imports no op. ``Ctx.nbytes`` and
 ``Ctx.dense_nbytes`` walk the dataclass fields (nested ctxs, lists, dicts) and add up what was
 saved; parameters the caller already holds (weights, their quantized forms) are plain fields and
 are not counted. ``memory_report`` (re-exported as ``lowbit.memory_report``) lists every saved
@@ -49,25 +50,6 @@ class Exact(Saved):
 
     def unpack(self):
         return self.array
-
-
-def save(x, saved=None, *, kind: str = "values") -> Saved:
-    """The one choke point through which every op stores a tensor in its ctx.
-
-    Args:
-        x: the array to keep for the backward.
-        saved: ``None`` (exact), a format string or a ``lowbit.SavedConfig``.
-        kind: ``"values"`` (any sign), ``"nonneg"`` (post-ReLU; the zero pattern stays exact) or
-            ``"mask"`` (a boolean array, packed at 1 bit per element whatever the format).
-
-    Returns:
-        ``Exact`` for ``saved=None``, else a ``PackedActivation`` (``PackedMask`` for masks).
-    """
-    if saved is None:
-        return Exact(x)
-    from .ops.saved_activation import save_activation
-
-    return save_activation(x, saved, kind=kind)
 
 
 class Ctx:

@@ -4,19 +4,15 @@
 emulation header ``cuda/cudasim.cuh`` into a shared library and returns a ``SimModule`` that
 answers ``get_function(name)(grid, block, args, shared_mem=0)`` like ``cupy.RawModule``.
 ``lowbit/_kernels.py`` picks it for numpy arrays; the launchers in ``lowbit/ops/<op>/_cuda.py``
-are shared with the cuda backend. Tests: ``tests/test_cudasim.py`` with ``tests/cuda/*.cu``.
+are shared with the cuda backend. This module is the launcher (trampolines, ``SimModule``,
+``SimKernel``); the g++ command and the content-hashed build cache are in its sibling
+``lowbit/_cudasim_build.py``. Tests: ``tests/test_cudasim.py`` with ``tests/cuda/*.cu``.
 
-How a module is built:
-
-* The source is compiled with ``$CXX`` (default ``g++``) as
-  ``-std=c++20 -O1 -fPIC -shared -pthread`` plus ``-include cudasim.cuh -DLOWBIT_CUDASIM=1``,
-  ``-fno-strict-aliasing`` (CUDA code type-puns through pointers), ``-ffp-contract=off``
-  and hidden visibility. ``cudasim.cuh`` is looked up in ``include_dirs`` first, then in the
-  ``cuda/`` folder of a checkout or the installed ``lowbit._cuda_src``.
-* For every name expression an ``extern "C"`` trampoline ``lowbit_sim_entry_<i>(void** argv)``
-  is appended; it calls the kernel with argument ``i`` read from ``argv[i]`` as the parameter
-  type C++ deduces from the function pointer. ``lowbit_sim_params_<i>`` reports the parameter
-  sizes and kinds, which ``SimKernel`` checks before every launch.
+Trampolines: for every name expression an ``extern "C"`` trampoline
+``lowbit_sim_entry_<i>(void** argv)`` is appended to the source; it calls the kernel with
+argument ``i`` read from ``argv[i]`` as the parameter type C++ deduces from the function pointer.
+``lowbit_sim_params_<i>`` reports the parameter sizes and kinds, which ``SimKernel`` checks
+before every launch.
 
 Argument rules (checked before anything runs; ``TypeError`` on a mismatch):
 
@@ -39,56 +35,31 @@ the thread that keeps the others waiting finishes. A kernel that loops forever o
 barrier, crashes or overflows its stack cannot be caught. ``$LOWBIT_CUDASIM_JITTER_US``
 (debugging) delays thread start-up and exit at random to shake out races.
 
-Build cache: libraries live in a private per-user folder, ``$LOWBIT_CACHE_DIR/cudasim``, else
-``$XDG_CACHE_HOME/lowbit/cudasim``, else ``~/.cache/lowbit/cudasim``. The folder is created
-with mode 0700 and checked before every use: if it is a symlink, not owned by the current user
-or writable by group or others, it is not used (a ``RuntimeWarning`` is issued and a fresh
-private temporary folder serves this process), so nobody else can plant a library there. A
-library's name is the sha256 of everything that can change it: the full source with the
-trampolines, every header under ``include_dirs``, the emulation header, the compiler command and
-its ``--version``. The builder compiles in a temporary folder inside the cache, loads its own
-copy, then moves it into place with ``os.replace`` and records the library's own sha256 in
-``<key>.sha256`` (also written to a temporary name and replaced), so concurrent builders, in
-threads or processes, never see partial files and all succeed. A cached library is loaded only
-when its bytes hash to the recorded digest; a corrupted or altered one is rebuilt. Loaded
-modules are also kept in memory for the life of the process.
+Loaded modules are kept in memory for the life of the process, keyed like the disk cache.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import re
-import shlex
-import shutil
-import stat
-import subprocess
-import tempfile
 import threading
-import warnings
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
+from . import _cudasim_build as _build
+# The build cache's names that callers and tests reach through this module.
+from ._cudasim_build import (  # noqa: F401
+    _file_sha256,
+    _insecure_reason,
+    available,
+    cache_dir,
+    unavailable_reason,
+)
+
 __all__ = ["available", "unavailable_reason", "load_module", "SimModule", "SimKernel"]
 
-HEADER_NAME = "cudasim.cuh"
-CXX_FLAGS = (
-    "-std=c++20",
-    "-O1",
-    "-fPIC",
-    "-shared",
-    "-pthread",
-    "-fvisibility=hidden",
-    "-fno-strict-aliasing",
-    "-ffp-contract=off",
-    "-fno-math-errno",
-    "-DLOWBIT_CUDASIM=1",
-)
-#: Suffixes of the files under an include dir whose contents enter the cache key.
-HEADER_SUFFIXES = (".cuh", ".h", ".hpp", ".hh", ".inc", ".inl")
 #: Barrier wait without any progress of the block before a launch is aborted. Generous: real
 #: deadlocks are detected exactly and at once; this only catches a thread that loops forever
 #: while others wait, and must never fire on a slow, heavily loaded machine.
@@ -111,122 +82,21 @@ _MAX_PARAMS = 256
 _PARAM_KINDS = {0: "pointer", 1: "signed integer", 2: "unsigned integer", 3: "floating point",
                 4: "bool", 5: "struct"}
 
-#: Number of g++ runs in this process; tests read it to tell a cache hit from a build.
-build_count = 0
-
 _lock = threading.Lock()
 _modules: dict[str, SimModule] = {}
 _key_locks: dict[str, threading.Lock] = {}
-_private_tmp_cache: Path | None = None
+
+
+def __getattr__(name: str):
+    # build_count changes with every build: read it live from the build cache.
+    if name == "build_count":
+        return _build.build_count
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ------------------------------------------------------------------------------------------
-# Availability
+# Loading
 # ------------------------------------------------------------------------------------------
-
-def _compiler() -> list[str] | None:
-    cxx = shlex.split(os.environ.get("CXX", "") or "g++")
-    if not cxx or shutil.which(cxx[0]) is None:
-        return None
-    return cxx
-
-
-def available() -> bool:
-    """Whether a C++ compiler for cudasim (``$CXX`` or ``g++``) is on PATH."""
-    return _compiler() is not None
-
-
-def unavailable_reason() -> str:
-    """Why cudasim cannot run here, and how to fix it ("" when it can)."""
-    if available():
-        return ""
-    cxx = os.environ.get("CXX")
-    if cxx:
-        return f"cudasim needs the C++ compiler $CXX={cxx!r}, which is not on PATH"
-    return "cudasim needs g++ (e.g. apt-get install g++), or set $CXX to a C++20 compiler"
-
-
-_version_cache: dict[tuple[str, ...], str] = {}
-
-
-def _compiler_version(cxx: list[str]) -> str:
-    key = tuple(cxx)
-    if key not in _version_cache:
-        out = subprocess.run([*cxx, "--version"], capture_output=True, text=True, check=False)
-        _version_cache[key] = f"{shutil.which(cxx[0])}\n{out.stdout}"
-    return _version_cache[key]
-
-
-# ------------------------------------------------------------------------------------------
-# Cache folder
-# ------------------------------------------------------------------------------------------
-
-def _default_cache_dir() -> Path:
-    root = os.environ.get("LOWBIT_CACHE_DIR")
-    if root:
-        return Path(root) / "cudasim"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".cache"
-    return base / "lowbit" / "cudasim"
-
-
-def _insecure_reason(path: Path) -> str | None:
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        return "it is a symbolic link"
-    if not stat.S_ISDIR(st.st_mode):
-        return "it is not a directory"
-    if st.st_uid != os.geteuid():
-        return f"it is owned by uid {st.st_uid}, not {os.geteuid()}"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
-    return None
-
-
-def cache_dir() -> Path:
-    """The verified private folder that holds built libraries (created if missing)."""
-    global _private_tmp_cache
-    path = _default_cache_dir()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            path.mkdir(mode=0o700)
-        except FileExistsError:
-            pass
-        reason = _insecure_reason(path)
-    except OSError as exc:
-        reason = f"it cannot be created ({exc})"
-    if reason is None:
-        return path
-    with _lock:
-        if _private_tmp_cache is None:
-            _private_tmp_cache = Path(tempfile.mkdtemp(prefix="lowbit-cudasim-"))
-        fallback = _private_tmp_cache
-    warnings.warn(
-        f"cudasim does not use the cache folder {path}: {reason}; building in the private "
-        f"temporary folder {fallback} instead",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-    return fallback
-
-
-# ------------------------------------------------------------------------------------------
-# Building
-# ------------------------------------------------------------------------------------------
-
-def _find_header(include_dirs: Sequence[str]) -> Path:
-    here = Path(__file__).resolve().parent
-    candidates = [Path(d) / HEADER_NAME for d in include_dirs]
-    candidates += [here / "_cuda_src" / HEADER_NAME, here.parent / "cuda" / HEADER_NAME]
-    for c in candidates:
-        if c.is_file():
-            return c.resolve()
-    raise FileNotFoundError(
-        f"cudasim emulation header {HEADER_NAME} not found in {list(include_dirs)} nor beside "
-        "the lowbit package"
-    )
-
 
 _NAME_EXPR_FORBIDDEN = re.compile(r"[;{}\n\r\"'#\\]")
 
@@ -262,60 +132,6 @@ def _full_source(code: str, names: tuple[str, ...]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _hash_include_dirs(h, include_dirs: Sequence[str]) -> None:
-    for d in include_dirs:
-        root = Path(d)
-        h.update(f"\0dir {root.resolve()}\0".encode())
-        if not root.is_dir():
-            continue
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(x for x in dirnames if not x.startswith((".", "__pycache__")))
-            for fn in sorted(filenames):
-                if fn.endswith(HEADER_SUFFIXES):
-                    p = Path(dirpath) / fn
-                    h.update(f"\0file {p.relative_to(root)}\0".encode())
-                    h.update(p.read_bytes())
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
-def _compile(cxx: list[str], cmd_flags: list[str], source: str, directory: Path,
-             out_name: str) -> Path:
-    """Compile ``source`` in ``directory`` (relative names keep the library reproducible)."""
-    global build_count
-    (directory / "kernel.cpp").write_text(source)
-    cmd = [*cxx, *cmd_flags, "kernel.cpp", "-o", out_name]
-    with _lock:
-        build_count += 1
-    proc = subprocess.run(cmd, cwd=directory, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        log = proc.stderr.strip() or proc.stdout.strip()
-        raise RuntimeError(
-            f"cudasim: compiling the kernel source failed ({shlex.join(cmd)}):\n{log}"
-        )
-    return directory / out_name
-
-
 def load_module(code: str, name_expressions: Sequence[str],
                 include_dirs: Sequence[str]) -> SimModule:
     """Build (or load from the cache) the CPU module of a CUDA source.
@@ -336,59 +152,24 @@ def load_module(code: str, name_expressions: Sequence[str],
             are included).
         ValueError: a malformed or duplicated name expression.
     """
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError(unavailable_reason())
+    if not _build.available():
+        raise RuntimeError(_build.unavailable_reason())
     names = _check_name_expressions(name_expressions)
-    include_dirs = [str(d) for d in include_dirs]
-    header = _find_header(include_dirs)
-    source = _full_source(code, names)
-    flags = [*CXX_FLAGS, "-include", str(header)]
-    for d in include_dirs:
-        flags.append(f"-I{Path(d).resolve()}")
-
-    h = hashlib.sha256()
-    for part in (source, "\0".join(flags), "\0".join(cxx), _compiler_version(cxx)):
-        h.update(part.encode())
-        h.update(b"\0\0")
-    h.update(header.read_bytes())
-    _hash_include_dirs(h, include_dirs)
-    key = h.hexdigest()
+    build = _build.prepare(_full_source(code, names), include_dirs)
 
     with _lock:
-        mod = _modules.get(key)
+        mod = _modules.get(build.key)
         if mod is not None:
             return mod
-        key_lock = _key_locks.setdefault(key, threading.Lock())
+        key_lock = _key_locks.setdefault(build.key, threading.Lock())
     with key_lock:
         with _lock:
-            mod = _modules.get(key)
+            mod = _modules.get(build.key)
         if mod is None:
-            mod = SimModule(_load_or_build(key, cxx, flags, source), names)
+            mod = SimModule(_build.load_or_build(build), names)
             with _lock:
-                _modules[key] = mod
+                _modules[build.key] = mod
     return mod
-
-
-def _load_or_build(key: str, cxx: list[str], flags: list[str], source: str) -> ctypes.CDLL:
-    directory = cache_dir()
-    lib_path = directory / f"{key}.so"
-    digest_path = directory / f"{key}.sha256"
-    try:
-        recorded = digest_path.read_text().strip()
-        if lib_path.is_file() and _file_sha256(lib_path) == recorded:
-            return ctypes.CDLL(str(lib_path))
-    except (OSError, UnicodeDecodeError):
-        pass
-    with tempfile.TemporaryDirectory(prefix=".build-", dir=directory) as tmp:
-        built = _compile(cxx, flags, source, Path(tmp), "module.so")
-        digest = _file_sha256(built)
-        # Load our own copy before publishing it: a concurrent builder may replace the cached
-        # file, and the mapping of the inode we loaded stays valid after a rename.
-        lib = ctypes.CDLL(str(built))
-        os.replace(built, lib_path)
-        _write_atomic(digest_path, (digest + "\n").encode())
-    return lib
 
 
 def _clear_loaded_modules() -> None:

@@ -1,9 +1,10 @@
 """The one registry of backends: which implementation of an op runs for given arrays.
 
-Each op lives in ``lowbit/ops/<op>/`` with one module per backend family:
-``_numpy.py`` (backend ``numpy``), ``_numba.py`` (``numba``) and ``_cuda.py`` (``cuda`` on cupy
-arrays, ``cudasim`` on numpy arrays: the same launchers, another module object). The op's
-``__init__`` validates, then calls ``resolve(op, *arrays)`` and the returned module's functions.
+Each op lives in ``lowbit/ops/<op>/`` with one module (a file or a package) per backend family:
+``_numpy`` (backend ``numpy``), ``_numba`` (``numba``) and ``_cuda`` (``cuda`` on cupy arrays,
+``cudasim`` on numpy arrays: the same launchers, another module object). The op's ``__init__``
+validates, then calls ``resolve(op, *arrays)`` and the returned module's functions, which keep
+the contract of ``lowbit/ops/__init__.py``.
 
 Forcing (``use_backend`` or ``LOWBIT_BACKEND``) is strict: a forced backend that cannot run
 raises ``BackendUnavailableError`` (missing package) or ``TypeError`` (wrong array kind).

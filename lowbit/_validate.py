@@ -1,4 +1,8 @@
-"""Argument checks shared by the ops' ``__init__`` modules; every message names the argument."""
+"""Argument checks shared by the ops' ``__init__`` modules; every message names the argument.
+
+One rule, one function: segment lengths (``offsets``), shapes (``shape``), scalars and arrays.
+The ``saved=`` policy is parsed by its owner, ``lowbit.ops.saved_activation.saved_policy``.
+"""
 
 from __future__ import annotations
 
@@ -55,3 +59,67 @@ def all_finite(x, name: str):
     if x.size and not bool(xp.isfinite(x).all()):
         raise ValueError(f"{name} must be finite, got non-finite values")
     return x
+
+
+def shape_error(name: str, expected: tuple, got: tuple, what: str = "") -> ValueError:
+    """The one message of a shape disagreement: names the argument, expected and received."""
+    whose = f"{what} " if what else ""
+    return ValueError(f"{name} must have {whose}shape {tuple(expected)}, got {tuple(got)}")
+
+
+def shape(x, expected: tuple, name: str, what: str = ""):
+    """Require ``x.shape == expected``; ``what`` says whose shape it is ("the forward output's")."""
+    if tuple(x.shape) != tuple(expected):
+        raise shape_error(name, expected, x.shape, what)
+    return x
+
+
+def offsets(lengths, tokens: int, name: str = "lengths") -> np.ndarray:
+    """Validate segment lengths and return the int64 prefix table ``[0, l0, l0 + l1, ..., T]``.
+
+    ``lengths`` is a non-empty 1-D host sequence or numpy array of positive integers (not bools)
+    summing to ``tokens``. A cupy array is refused: segment bounds are needed on the host, and
+    lowbit never moves data between device and host implicitly.
+    """
+    if _backend.is_cupy_array(lengths):
+        raise TypeError(f"{name} must be a host sequence or numpy array, got a cupy array; "
+                        f"pass {name}.get() (segment bounds are needed on the host)")
+    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__len__"):
+        raise TypeError(f"{name} must be a 1-D sequence of integers, got "
+                        f"{type(lengths).__name__}")
+    if not isinstance(lengths, np.ndarray) and any(
+            isinstance(x, (bool, np.bool_)) for x in np.ravel(np.asarray(lengths, dtype=object))):
+        raise TypeError(f"{name} must hold integers, got a bool entry")
+    try:
+        arr = np.asarray(lengths)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name} must be a 1-D sequence of integers: {exc}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        raise ValueError(f"{name} must be non-empty, got 0 segments")
+    if arr.dtype == object:
+        values = list(arr)
+        if not all(isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+                   for x in values):
+            raise TypeError(f"{name} must hold integers, got non-integer entries")
+    elif arr.dtype.kind not in "iu":  # bool arrays too: a mask is not a list of lengths
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    else:
+        values = arr.tolist()
+    # Python integers: the running total cannot wrap, whatever the caller's integer width.
+    total = 0
+    table = [0]
+    for i, length in enumerate(values):
+        length = int(length)
+        if length < 1:
+            raise ValueError(f"{name} must all be positive, got {name}[{i}] = {length}")
+        total += length
+        if total > tokens:
+            raise ValueError(
+                f"{name} must sum to the token count {tokens}; the running total passes it at "
+                f"{name}[{i}] ({total})")
+        table.append(total)
+    if total != tokens:
+        raise ValueError(f"{name} must sum to the token count {tokens}, got {total}")
+    return np.asarray(table, dtype=np.int64)

@@ -4,16 +4,22 @@ Each backend is skipped with its reason where it cannot run, never replaced by a
 the fixture the backend is forced (strict dispatch) and every output a backend allocates is
 poisoned with NaN, so an element a kernel forgets to write fails its comparison. Tests with the
 cuda parameter carry the ``gpu`` mark (``pytest -m gpu``, run by ``python -m bench.gpu``).
+The ``never_runs`` fixture proves that validation fires before any backend code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
+import inspect
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import lowbit
+import lowbit.ops
 from lowbit import _backend, _dispatch
 
 
@@ -62,3 +68,48 @@ def backend(request):
 @pytest.fixture
 def rng():
     return np.random.default_rng(20261129)
+
+
+class NeverRuns:
+    """While armed, every backend function of every op raises: see ``never_runs``."""
+
+    def __init__(self):
+        self.armed = True
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Let backends run (to build a ctx for a backward's validation test)."""
+        self.armed = False
+        try:
+            yield
+        finally:
+            self.armed = True
+
+
+def _never(original, guard):
+    def guarded(*args, **kwargs):
+        if guard.armed:
+            raise AssertionError(f"backend {original.__module__}.{original.__name__} ran before "
+                                 "validation")
+        return original(*args, **kwargs)
+
+    return guarded
+
+
+@pytest.fixture
+def never_runs(monkeypatch):
+    """Fail if any backend code runs: validation must come first.
+
+    Forces the numpy backend and replaces every function of every op's ``_numpy`` module (the
+    ones dispatch hands out) by one that raises while armed; ``never_runs.paused()`` lets them
+    run, for example to build the ctx whose backward is then checked.
+    """
+    guard = NeverRuns()
+    ops = Path(lowbit.ops.__file__).parent
+    for path in sorted(ops.glob("*/_numpy.py")):
+        module = importlib.import_module(f"lowbit.ops.{path.parent.name}._numpy")
+        for name, fn in vars(module).items():
+            if inspect.isfunction(fn) and fn.__module__ == module.__name__:
+                monkeypatch.setattr(module, name, _never(fn, guard))
+    with lowbit.use_backend("numpy"):
+        yield guard

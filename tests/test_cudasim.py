@@ -8,6 +8,7 @@ keeps it between runs); the cache tests build tiny modules in a private ``tmp_pa
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -342,6 +343,30 @@ def test_early_return_then_barrier(mod, rng):
     mod.get_function("early_exit_barrier")(1, 64, (x, y, np.int32(n)))
     np.testing.assert_array_equal(y[:n], x[:n][::-1])
     assert np.isnan(y[n:]).all()
+
+
+def _header_intrinsics() -> set[str]:
+    """Names the Device API part of cuda/cudasim.cuh defines for kernels (not its internals)."""
+    text = (ROOT / "cuda" / "cudasim.cuh").read_text()
+    api = text[text.index("// Device API"):]
+    api = re.sub(r"namespace lowbit_sim \{.*?\}  // namespace lowbit_sim", "", api, flags=re.S)
+    names = set(re.findall(r"^\s*(?:\[\[noreturn\]\]\s+)?inline\s+[\w:<>\s*&]*?\b(\w+)\s*\(",
+                           api, flags=re.M))
+    names |= set(re.findall(r"^LOWBIT_SIM_ATOMIC_RMW\((\w+),", api, flags=re.M))
+    names |= set(re.findall(r"^#define (\w+)\(", api, flags=re.M))
+    # Upper-case names are macro parameters (NAME in LOWBIT_SIM_ATOMIC_RMW).
+    return {n for n in names if not n.startswith("lowbit_sim") and not n.isupper()}
+
+
+def test_every_intrinsic_of_the_header_is_used():
+    """The emulation header carries what kernels use and nothing more: every intrinsic it
+    defines is called by a kernel (cuda/*.cu, cuda/common.cuh) or a test kernel here."""
+    sources = [*(ROOT / "cuda").glob("*.cu"), ROOT / "cuda" / "common.cuh",
+               *(TESTS / "cuda").glob("*.cu")]
+    used = set(re.findall(r"\w+", "\n".join(s.read_text() for s in sources)))
+    defined = _header_intrinsics()
+    assert {"__shfl_xor_sync", "atomicAdd", "__trap", "min", "clock64", "assert"} <= defined
+    assert sorted(defined - used) == []
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Dispatch: backend selection, strict forcing, error messages; lowbit/_dispatch.py."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -100,3 +101,28 @@ def test_import_without_numba_and_cupy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok")
+
+
+def test_never_runs_catches_every_backend_call(never_runs):
+    codes = np.arange(8, dtype=np.uint8) % 4
+    with pytest.raises(AssertionError, match="ran before validation"):
+        lowbit.pack_bits(codes, 2)
+    with never_runs.paused():
+        assert lowbit.pack_bits(codes, 2).shape == (2,)
+
+
+def test_numba_cache_guard_restamps_the_package_when_any_source_changes(tmp_path):
+    package, owner = tmp_path / "kernels", tmp_path / "owner.py"
+    package.mkdir()
+    files = [package / name for name in ("__init__.py", "_a.py", "_b.py")]
+    for i, path in enumerate([*files, owner]):
+        path.write_text(f"X = {i}\n")
+        os.utime(path, ns=(10**18, 10**18 + i * 10**9))
+    _backend.numba_cache_guard(str(files[0]), str(owner))
+    newest = owner.stat().st_mtime_ns
+    assert [p.stat().st_mtime_ns for p in files] == [newest] * 3
+    # An edit to one kernel file moves every stamp of the package to it.
+    os.utime(files[1], ns=(10**18, newest + 5 * 10**9))
+    _backend.numba_cache_guard(str(files[0]), str(owner))
+    assert [p.stat().st_mtime_ns for p in files] == [newest + 5 * 10**9] * 3
+    assert owner.stat().st_mtime_ns == newest  # owners are read, never restamped

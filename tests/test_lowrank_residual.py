@@ -14,6 +14,7 @@ from helpers import assert_close, assert_equal, numerical_grad, to_numpy
 import lowbit
 from lowbit import _dispatch
 from lowbit.ops import lowrank_residual as lr
+from lowbit.ops.lowrank_residual import _layer as layer_math
 from lowbit.reference.lowrank_residual import (
     causal_linear_bwd_ref,
     causal_linear_ref,
@@ -74,8 +75,8 @@ def test_causal_linear_attention_kernel(backend, rng, split):
     v = rng.standard_normal((B, T, D)).astype(np.float32)
     da = rng.standard_normal((B, T, D)).astype(np.float32)
     xp = backend.xp
-    starts = lr._starts(lr._lengths(lengths, T), xp)
-    cos, sin = lr._rope_tables(T, N, xp)
+    starts = layer_math.starts(lr._lengths(lengths, T), xp)
+    cos, sin = layer_math.rope_tables(T, N, xp)
     out = impl.causal_linear_forward(backend.to(x), backend.to(v), starts, cos, sin)
     dx, dv = impl.causal_linear_backward(backend.to(da), backend.to(x), backend.to(v), starts,
                                          cos, sin)
@@ -320,7 +321,7 @@ def _good(rng):
     (3, "decoder", lambda a: a[:5], ValueError),
     (3, "decoder", lambda a: np.full_like(a, np.nan), ValueError),
 ])
-def test_bad_arrays_name_the_argument(rng, index, name, bad, exc):
+def test_bad_arrays_name_the_argument(never_runs, rng, index, name, bad, exc):
     args = _good(rng)
     args[index] = bad(args[index])
     with pytest.raises(exc, match=name):
@@ -339,7 +340,7 @@ def test_bad_arrays_name_the_argument(rng, index, name, bad, exc):
     (dict(dropout=1.0), "dropout", ValueError),
     (dict(seed=-1), "seed", ValueError),
 ])
-def test_bad_options_name_the_argument(rng, kwargs, name, exc):
+def test_bad_options_name_the_argument(never_runs, rng, kwargs, name, exc):
     with pytest.raises(exc, match=name):
         lowbit.lowrank_residual_forward(*_good(rng), **kwargs)
 
@@ -352,8 +353,9 @@ def test_bad_plan_formats(pair, message):
         lowbit.LowBitPlan(x=pair)
 
 
-def test_bad_backward_arguments(rng):
-    out, ctx = lowbit.lowrank_residual_forward(*_good(rng))
+def test_bad_backward_arguments(never_runs, rng):
+    with never_runs.paused():
+        out, ctx = lowbit.lowrank_residual_forward(*_good(rng))
     with pytest.raises(ValueError, match="dnext"):
         lowbit.lowrank_residual_backward(out[:, :2], ctx)
     with pytest.raises(TypeError, match="ctx"):

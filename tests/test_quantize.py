@@ -9,10 +9,11 @@ import pytest
 from helpers import assert_close, assert_equal, to_numpy
 
 import lowbit
+from lowbit.ops.quantize import ACT_FORMATS, WEIGHT_FORMATS, weight_rows
 from lowbit.reference.quantize import (dequantize_ref, quantize_activation_ref,
                                        quantize_weight_ref, weight_codes_ref)
 
-FORMATS = ("ternary", "sign", "int8")
+FORMATS = tuple(WEIGHT_FORMATS)
 WEIGHT_SHAPES = [(1, 3), (37, 1), (3, 37), (4097, 3)]
 
 
@@ -43,6 +44,29 @@ def test_quantize_weight_matches_reference(backend, rng, format, dtype):
                      rtol=1e-7)
         assert pw.dequantize().dtype == np.float32
         np.testing.assert_array_equal(to_numpy(backend.to(w)), keep)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("k0,k1", [(0, 8), (8, 37), (3, 11), (5, 6), (0, 37), (36, 37)],
+                         ids=["aligned", "aligned-to-end", "unaligned", "one", "all", "last"])
+def test_weight_rows_are_the_reference_codes(backend, rng, format, k0, k1):
+    w = _weights(rng, (37, 5), np.float32)
+    pw = lowbit.quantize_weight(backend.to(w), format)
+    part = weight_rows(pw, k0, k1)
+    codes, _ = weight_codes_ref(w, format)
+    assert part.shape == (k1 - k0, 5) and part.format == format
+    assert_equal("codes", codes[k0:k1], part.codes())
+    assert_equal("scale", pw.scale, part.scale)
+    if format == "int8":  # per-column scales of the slice differ; its codes must not
+        assert_equal("data", codes[k0:k1].T, part.data)
+
+
+def test_weight_rows_bad_range(never_runs, rng):
+    with never_runs.paused():
+        pw = lowbit.quantize_weight(_weights(rng, (8, 2), np.float32), "ternary")
+    for k0, k1 in ((0, 9), (4, 4), (-1, 2)):
+        with pytest.raises(ValueError, match="rows"):
+            weight_rows(pw, k0, k1)
 
 
 def test_packed_sizes_follow_codes_per_byte(rng):
@@ -79,7 +103,7 @@ def test_scale_floor(backend):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("format", ["int8", "int4"])
+@pytest.mark.parametrize("format", list(ACT_FORMATS))
 def test_quantize_activation_matches_reference(backend, rng, format, dtype):
     for shape in [(2, 3, 37), (1, 4097), (5, 1), (113,)]:
         x = rng.standard_normal(shape).astype(dtype) * 3
@@ -148,42 +172,42 @@ def test_non_finite_activation_row_raises(backend):
             lowbit.quantize_activation(backend.to(x))
 
 
-def test_unknown_weight_format():
+def test_unknown_weight_format(never_runs):
     with pytest.raises(ValueError, match="format"):
         lowbit.quantize_weight(np.ones((2, 2), np.float32), "int4")
 
 
-def test_unknown_activation_format():
+def test_unknown_activation_format(never_runs):
     with pytest.raises(ValueError, match="format"):
         lowbit.quantize_activation(np.ones((2, 2), np.float32), "ternary")
 
 
-def test_weight_rank():
+def test_weight_rank(never_runs):
     with pytest.raises(ValueError, match="w must have shape"):
         lowbit.quantize_weight(np.ones(4, np.float32), "sign")
 
 
-def test_weight_empty():
+def test_weight_empty(never_runs):
     with pytest.raises(ValueError, match="w must have K >= 1"):
         lowbit.quantize_weight(np.ones((0, 4), np.float32), "sign")
 
 
-def test_weight_dtype():
+def test_weight_dtype(never_runs):
     with pytest.raises(TypeError, match="w must be float32 or float64"):
         lowbit.quantize_weight(np.ones((2, 2), np.int32), "sign")
 
 
-def test_weight_not_array():
+def test_weight_not_array(never_runs):
     with pytest.raises(TypeError, match="w must be a numpy or cupy array"):
         lowbit.quantize_weight([[1.0]], "sign")
 
 
-def test_activation_rank():
+def test_activation_rank(never_runs):
     with pytest.raises(ValueError, match="x must have at least one dimension"):
         lowbit.quantize_activation(np.array(1.0, dtype=np.float32))
 
 
-def test_activation_dtype():
+def test_activation_dtype(never_runs):
     with pytest.raises(TypeError, match="x must be float32 or float64"):
         lowbit.quantize_activation(np.ones((2, 2), np.int8))
 

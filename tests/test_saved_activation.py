@@ -7,6 +7,7 @@ Op: ``lowbit/ops/saved_activation/`` (kernels ``cuda/saved_activation.cu``); ref
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import numpy as np
@@ -16,7 +17,8 @@ from helpers import assert_equal, to_numpy
 
 import lowbit
 from lowbit import _ctx
-from lowbit.ops.saved_activation import FORMAT_BITS, KINDS, ROUNDINGS, save_activation
+from lowbit.ops.saved_activation import (FORMAT_BITS, FORMATS, KINDS, ROUNDINGS, save,
+                                         save_activation)
 from lowbit.reference.saved_activation import pack_activation_ref, unpack_activation_ref
 
 INT_FORMATS = tuple(FORMAT_BITS)
@@ -186,7 +188,7 @@ def test_stochastic_rounding_is_unbiased(backend, rng):
 def test_byte_counts(backend, rng):
     shape = (2, 1024)
     x = _relu(rng, shape, density=0.05)
-    for fmt in ("fp32",) + INT_FORMATS + ("sparse",):
+    for fmt in FORMATS:
         for kind in KINDS if fmt != "sparse" else ("nonneg",):
             packed = _pack(backend, x, fmt, kind=kind)
             held = sum(a.itemsize * a.size for a in packed.arrays.values())
@@ -220,7 +222,7 @@ def test_zero_and_constant_groups(backend, fmt):
 
 
 @pytest.mark.parametrize("shape", [(0,), (3, 0), (0, 5), ()])
-@pytest.mark.parametrize("fmt", ("fp32",) + INT_FORMATS + ("sparse",))
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_empty_and_scalar(backend, fmt, shape):
     x = np.full(shape, 1.5, np.float32)
     packed = _pack(backend, x, fmt, kind="nonneg", group_size=4)
@@ -264,17 +266,17 @@ def test_pack_mask_round_trip(backend, rng):
 
 def test_save_choke_point(rng):
     x = _values(rng, (4, 32))
-    exact = _ctx.save(x, None)
+    exact = save(x, None)
     assert isinstance(exact, _ctx.Exact) and exact.unpack() is x and exact.nbytes == x.nbytes
-    by_string = _ctx.save(x, "int4")
+    by_string = save(x, "int4")
     assert isinstance(by_string, lowbit.PackedActivation) and by_string.format == "int4"
     config = lowbit.SavedConfig("int2", group_size=8, rounding="stochastic", seed=5)
-    by_config = _ctx.save(x, config)
+    by_config = save(x, config)
     want = pack_activation_ref(x, "int2", "values", 8, "stochastic", 5)
     assert_equal("codes", want["codes"], by_config.codes)
-    relu = _ctx.save(np.maximum(x, 0), "sparse", kind="nonneg")
+    relu = save(np.maximum(x, 0), "sparse", kind="nonneg")
     assert relu.format == "sparse"
-    mask = _ctx.save(x > 0, "int8", kind="mask")
+    mask = save(x > 0, "int8", kind="mask")
     assert isinstance(mask, lowbit.PackedMask)
     assert_equal("mask", x > 0, mask.unpack())
     assert save_activation(x, config).format == "int2"
@@ -297,10 +299,10 @@ def test_memory_report_walks_nested_ctxs(rng):
     x = _values(rng, (8, 64))
     relu = np.maximum(x, 0)
     outer = _OuterCtx(
-        x=_ctx.save(x, "int8"),
-        layers=(_InnerCtx(_ctx.save(relu, "sparse", kind="nonneg"), np.ones((64, 64))),
-                _InnerCtx(_ctx.save(relu, None), np.ones((64, 64)))),
-        extra={"mask": _ctx.save(x > 0, "int8", kind="mask")},
+        x=save(x, "int8"),
+        layers=(_InnerCtx(save(relu, "sparse", kind="nonneg"), np.ones((64, 64))),
+                _InnerCtx(save(relu, None), np.ones((64, 64)))),
+        extra={"mask": save(x > 0, "int8", kind="mask")},
     )
     report = lowbit.memory_report(outer)
     names = [row.name for row in report.rows]
@@ -342,14 +344,14 @@ def test_memory_report_of_linear_forward(rng):
     (dict(format="int8", seed=-1), ValueError, "seed"),
     (dict(format="int8", seed=1 << 64), ValueError, "seed"),
 ])
-def test_bad_arguments(rng, kwargs, error, names):
+def test_bad_arguments(never_runs, rng, kwargs, error, names):
     x = np.abs(_values(rng, (2, 8)))
     fmt = kwargs.pop("format")
     with pytest.raises(error, match=names):
         lowbit.pack_activation(x, fmt, **kwargs)
 
 
-def test_bad_array():
+def test_bad_array(never_runs):
     with pytest.raises(TypeError, match="x"):
         lowbit.pack_activation([1.0, 2.0], "int8")
     with pytest.raises(TypeError, match="x must be float32 or float64"):
@@ -360,7 +362,7 @@ def test_bad_array():
         save_activation(np.ones(4, np.float32), 8)
 
 
-@pytest.mark.parametrize("fmt", ("fp32",) + INT_FORMATS + ("sparse",))
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_non_finite_values(backend, fmt):
     for bad in (np.inf, np.nan, -np.inf):
         x = np.ones((3, 40), np.float32)
@@ -371,7 +373,7 @@ def test_non_finite_values(backend, fmt):
         assert_equal("input", keep, x)
 
 
-@pytest.mark.parametrize("fmt", ("fp32",) + INT_FORMATS + ("sparse",))
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_negative_values_with_nonneg(backend, fmt):
     x = np.ones((3, 40), np.float32)
     x[1, 17] = -0.5
@@ -395,7 +397,46 @@ def test_sparse_policy_saves_signed_tensors_at_int8(rng):
     """Through the choke point, the "sparse" policy keeps a tensor of any sign at int8 (as the
     int8 policy would) and a non-negative one in the sparse format."""
     x = rng.standard_normal((4, 300)).astype(np.float32)
-    signed = _ctx.save(x, "sparse")
+    signed = save(x, "sparse")
     assert signed.format == "int8"
-    np.testing.assert_array_equal(signed.unpack(), _ctx.save(x, "int8").unpack())
-    assert _ctx.save(np.maximum(x, 0), "sparse", kind="nonneg").format == "sparse"
+    np.testing.assert_array_equal(signed.unpack(), save(x, "int8").unpack())
+    assert save(np.maximum(x, 0), "sparse", kind="nonneg").format == "sparse"
+
+
+def _forward_cases(rng):
+    """Valid arguments for every public forward that takes ``saved=``."""
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    B, T, H, K, V, D, N = 1, 5, 2, 4, 3, 8, 6
+    return {
+        "linear_forward": ((f32(3, 8), f32(8, 4), "ternary"), {}),
+        "segmented_attention_forward": ((f32(T, H, K), f32(T, H, K), f32(T, H, V), [T]), {}),
+        "gated_delta_scan_forward": (
+            (f32(B, T, H, K), f32(B, T, H, K), f32(B, T, H, V), -np.abs(f32(B, T, H)),
+             np.abs(f32(B, T, H))), {}),
+        "selective_scan_forward": (
+            (f32(B, T, H, V), f32(B, T, H, K), f32(B, T, H, K), f32(B, T, H), f32(H), f32(H),
+             f32(H)), {}),
+        "lowrank_residual_forward": ((f32(B, T, D), f32(H, D, N), f32(H, D, N), f32(H * N, D)),
+                                     {}),
+    }
+
+
+def test_every_forward_with_saved_is_covered(rng):
+    functions = {name: f for name, f in vars(lowbit).items() if inspect.isfunction(f)}
+    with_saved = {name for name, f in functions.items()
+                  if "saved" in inspect.signature(f).parameters}
+    assert with_saved == set(_forward_cases(rng))
+
+
+@pytest.mark.parametrize("name", sorted(_forward_cases(np.random.default_rng(0))))
+@pytest.mark.parametrize("saved,error", [("bogus", ValueError), (3, TypeError)])
+def test_bad_saved_policy_raises_first(never_runs, rng, name, saved, error):
+    args, kwargs = _forward_cases(rng)[name]
+    with pytest.raises(error, match="saved"):
+        getattr(lowbit, name)(*args, saved=saved, **kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(_forward_cases(np.random.default_rng(0))))
+def test_forward_cases_are_valid(rng, name):
+    args, kwargs = _forward_cases(rng)[name]
+    getattr(lowbit, name)(*args, saved="int8", **kwargs)

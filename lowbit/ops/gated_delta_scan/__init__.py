@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from ... import _backend, _ctx, _dispatch, _validate
+from ..saved_activation import save, saved_policy
 
 _OP = "gated_delta_scan"
 
@@ -48,10 +49,6 @@ class GatedDeltaScanCtx(_ctx.Ctx):
     has_initial_state: bool
 
 
-def _shape_error(name, expected, got):
-    return ValueError(f"{name} must have shape {expected}, got {tuple(got)}")
-
-
 def _prepare(q, k, v, log_decay, beta, initial_state, chunk_size):
     """Validate every argument (before any kernel runs); return contiguous working arrays."""
     q = _validate.floating(_validate.as_array(q, "q"), "q")
@@ -70,18 +67,16 @@ def _prepare(q, k, v, log_decay, beta, initial_state, chunk_size):
         raise ValueError(f"q must have rank 4 [B, T, H, K], got shape {q.shape}")
     nb, nt, nh, nk = q.shape
     if k.shape != q.shape:
-        raise _shape_error("k", (nb, nt, nh, nk), k.shape)
+        raise _validate.shape_error("k", (nb, nt, nh, nk), k.shape)
     if v.ndim != 4 or v.shape[:3] != (nb, nt, nh):
-        raise _shape_error("v", (nb, nt, nh, "V"), v.shape)
+        raise _validate.shape_error("v", (nb, nt, nh, "V"), v.shape)
     nv = v.shape[3]
     if log_decay.shape not in ((nb, nt, nh), (nb, nt, nh, nk)):
         raise ValueError(f"log_decay must have shape {(nb, nt, nh)} or {(nb, nt, nh, nk)}, "
                          f"got {tuple(log_decay.shape)}")
-    if beta.shape != (nb, nt, nh):
-        raise _shape_error("beta", (nb, nt, nh), beta.shape)
+    _validate.shape(beta, (nb, nt, nh), "beta")
     if initial_state is not None:
-        if initial_state.shape != (nb, nh, nk, nv):
-            raise _shape_error("initial_state", (nb, nh, nk, nv), initial_state.shape)
+        _validate.shape(initial_state, (nb, nh, nk, nv), "initial_state")
         _validate.all_finite(initial_state, "initial_state")
     xp = _backend.array_module(q)
     per_key = log_decay.ndim == 4
@@ -112,7 +107,7 @@ def gated_delta_scan(q, k, v, log_decay, beta, initial_state=None):
     """
     work, state, _, _ = _prepare(q, k, v, log_decay, beta, initial_state, 1)
     _, impl = _dispatch.resolve(_OP, *work)
-    out, final, _ = impl.gated_delta_scan_forward(*work, state, 1, False)
+    out, final, _ = impl.forward(*work, state, 1, False)
     return out, final
 
 
@@ -127,13 +122,14 @@ def gated_delta_scan_forward(q, k, v, log_decay, beta, initial_state=None, *, ch
     Returns:
         out [B, T, H, V], state [B, H, K, V], ctx (``GatedDeltaScanCtx``).
     """
+    saved = saved_policy(saved)  # first: a bad policy raises before any kernel
     work, state, chunk_size, per_key = _prepare(q, k, v, log_decay, beta, initial_state,
                                                 chunk_size)
     _, impl = _dispatch.resolve(_OP, *work)
-    out, final, checkpoints = impl.gated_delta_scan_forward(*work, state, chunk_size, True)
+    out, final, checkpoints = impl.forward(*work, state, chunk_size, True)
     ctx = GatedDeltaScanCtx(
-        *(_ctx.save(a, saved) for a in work),
-        checkpoints=_ctx.save(checkpoints, None),
+        *(save(a, saved) for a in work),
+        checkpoints=save(checkpoints, None),
         chunk_size=chunk_size,
         per_key_decay=per_key,
         has_initial_state=initial_state is not None,
@@ -161,20 +157,18 @@ def gated_delta_scan_backward(dout, dstate, ctx):
     nb, nt, nh, nk = q.shape
     nv = v.shape[3]
     dout = _validate.floating(_validate.as_array(dout, "dout"), "dout")
-    if dout.shape != (nb, nt, nh, nv):
-        raise _shape_error("dout", (nb, nt, nh, nv), dout.shape)
+    _validate.shape(dout, (nb, nt, nh, nv), "dout")
     if dstate is not None:
         dstate = _validate.floating(_validate.as_array(dstate, "dstate"), "dstate")
-        if dstate.shape != (nb, nh, nk, nv):
-            raise _shape_error("dstate", (nb, nh, nk, nv), dstate.shape)
+        _validate.shape(dstate, (nb, nh, nk, nv), "dstate")
     _backend.array_kind(q, dout, dstate)
     xp = _backend.array_module(q)
     dout = xp.ascontiguousarray(dout, dtype=q.dtype)
     dstate = (xp.zeros((nb, nh, nk, nv), q.dtype) if dstate is None
               else xp.ascontiguousarray(dstate, dtype=q.dtype))
     _, impl = _dispatch.resolve(_OP, q, dout)
-    dq, dk, dv, dlog, dbeta, dinit = impl.gated_delta_scan_backward(
-        q, k, v, log_decay, beta, checkpoints, dout, dstate, ctx.chunk_size)
+    dq, dk, dv, dlog, dbeta, dinit = impl.backward(
+        dout, dstate, q, k, v, log_decay, beta, checkpoints, ctx.chunk_size)
     if not ctx.per_key_decay:
         dlog = dlog[..., 0]
     return dq, dk, dv, dlog, dbeta, (dinit if ctx.has_initial_state else None)

@@ -12,8 +12,10 @@ from ... import _backend, _kernels
 SOURCE = "gated_delta_scan.cu"
 NAME_EXPRESSIONS = tuple(f"gated_delta_{kind}<{ctype}>" for kind in ("fwd", "bwd")
                          for ctype in ("float", "double"))
-#: Lanes per block (one warp) = columns of V per slice; must match kLanes in the kernel.
+#: Lanes per block (one warp) = columns of V per slice.
 LANES = 32
+#: The constants of the .cu file this launcher mirrors (tests/test_launch_constants.py).
+CU_CONSTANTS = {"kLanes": LANES}
 
 
 def _kernel(name, like):
@@ -28,9 +30,8 @@ def _dims(q, v, log_decay, chunk_size):
             np.int32(log_decay.shape[3]), np.int32(chunk_size), np.int32(nchunks))
 
 
-def gated_delta_scan_forward(q, k, v, log_decay, beta, initial_state, chunk_size,
-                             keep_checkpoints):
-    """Same contract as ``_numpy.gated_delta_scan_forward``."""
+def forward(q, k, v, log_decay, beta, initial_state, chunk_size, keep_checkpoints):
+    """Same contract as ``_numpy.forward``."""
     xp = _backend.array_module(q)
     nb, nt, nh, nk = q.shape
     nv = v.shape[3]
@@ -55,8 +56,8 @@ def _sum_slices(xp, partial):
     return out
 
 
-def gated_delta_scan_backward(q, k, v, log_decay, beta, checkpoints, dout, dstate, chunk_size):
-    """Same contract as ``_numpy.gated_delta_scan_backward``."""
+def backward(dout, dstate, q, k, v, log_decay, beta, checkpoints, chunk_size):
+    """Same contract as ``_numpy.backward``."""
     xp = _backend.array_module(q)
     nb, nt, nh, nk = q.shape
     nv = v.shape[3]

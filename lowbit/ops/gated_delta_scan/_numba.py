@@ -261,9 +261,8 @@ def _backward_task(q, k, v, log_decay, beta, checkpoints, dout, dstate, chunk, w
     dinit[b, h, :, j0:j0 + w] = ds[:, :w]
 
 
-def gated_delta_scan_forward(q, k, v, log_decay, beta, initial_state, chunk_size,
-                             keep_checkpoints):
-    """Same contract as ``_numpy.gated_delta_scan_forward``."""
+def forward(q, k, v, log_decay, beta, initial_state, chunk_size, keep_checkpoints):
+    """Same contract as ``_numpy.forward``."""
     nb, nt, nh, nk = q.shape
     nv = v.shape[3]
     out = _backend.empty((nb, nt, nh, nv), q.dtype)
@@ -284,8 +283,8 @@ def _sum_slices(partial):
     return out
 
 
-def gated_delta_scan_backward(q, k, v, log_decay, beta, checkpoints, dout, dstate, chunk_size):
-    """Same contract as ``_numpy.gated_delta_scan_backward``."""
+def backward(dout, dstate, q, k, v, log_decay, beta, checkpoints, chunk_size):
+    """Same contract as ``_numpy.backward``."""
     nb, nt, nh, nk = q.shape
     nv = v.shape[3]
     width = _slice_width(nb, nh, nv)

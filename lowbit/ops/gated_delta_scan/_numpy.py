@@ -18,8 +18,7 @@ def _step(s, k_t, v_t, g_t, beta_t):
     return delta
 
 
-def gated_delta_scan_forward(q, k, v, log_decay, beta, initial_state, chunk_size,
-                             keep_checkpoints):
+def forward(q, k, v, log_decay, beta, initial_state, chunk_size, keep_checkpoints):
     """Run the recurrence.
 
     Args:
@@ -49,11 +48,11 @@ def gated_delta_scan_forward(q, k, v, log_decay, beta, initial_state, chunk_size
     return out, s, checkpoints
 
 
-def gated_delta_scan_backward(q, k, v, log_decay, beta, checkpoints, dout, dstate, chunk_size):
+def backward(dout, dstate, q, k, v, log_decay, beta, checkpoints, chunk_size):
     """Gradients, sweeping the chunks in reverse and recomputing states from the checkpoints.
 
     Args:
-        as ``gated_delta_scan_forward``; checkpoints: its [B, H, C, K, V]; dout: [B, T, H, V];
+        as ``forward``; checkpoints: its [B, H, C, K, V]; dout: [B, T, H, V];
         dstate: [B, H, K, V].
 
     Returns:

@@ -1,10 +1,11 @@
 """The BDH low-rank residual layer: forward, hand-written backward, low-bit plan, saved policy.
 
-Backends (only the causal-linear attention and the layer norms are backend kernels; the
-projections go through the matmul ops): ``_numpy.py``, ``_numba.py``, ``_cuda.py``
-(``cuda/lowrank_residual.cu``). Reference: ``reference/lowrank_residual.py``; tests:
-``tests/test_lowrank_residual.py``; benchmark: ``bench/lowrank_residual.py`` (the default run of
-``python -m bench``).
+This file holds the API, ``LowBitPlan``, the ctx and validation; the layer's math is in
+``_layer.py``. Backends (only the causal-linear attention and the layer norms are backend
+kernels; the projections are ``packed_matmul``'s straight-through pair): ``_numpy.py``,
+``_numba.py``, ``_cuda.py`` (``cuda/lowrank_residual.cu``). Reference:
+``reference/lowrank_residual.py``; tests: ``tests/test_lowrank_residual.py``; benchmark:
+``bench/lowrank_residual.py`` (the default run of ``python -m bench``).
 
 Forward, head by head (``LN`` normalizes the last axis, no affine parameters, eps 1e-5)::
 
@@ -15,9 +16,9 @@ Forward, head by head (``LN`` normalizes the last axis, no affine parameters, ep
     mlp     += y_neuron @ decoder[h * N:(h + 1) * N]                   [B, T, D]
     next     = LN(current + LN(mlp))
 
-What the ctx saves, each tensor once, through ``lowbit._ctx.save``: ``current``; per head
-``x_neuron`` and ``y_gate`` (``kind="nonneg"``: the ReLU masks stay exact) and the pre-norm
-attention output ``a`` with its mean and reciprocal standard deviation; ``mlp`` with its
+What the ctx saves, each tensor once, through the saved-activation op's ``save``: ``current``;
+per head ``x_neuron`` and ``y_gate`` (``kind="nonneg"``: the ReLU masks stay exact) and the
+pre-norm attention output ``a`` with its mean and reciprocal standard deviation; ``mlp`` with its
 statistics, and the statistics of ``current + LN(mlp)``. Recomputed in the backward: the product
 ``y_neuron`` (and the dropout mask, a hash of the element index), the rotated queries, every
 normalized output (from the saved input and statistics), and, for ``attention="segmented"``, the
@@ -34,32 +35,19 @@ weights). Per-stage time and bytes: ``lowbit.profile()`` (``lowbit/_profile.py``
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 
 import numpy as np
 
-from ... import _backend, _dispatch, _profile, _validate
-from ..._ctx import Ctx, save
-from ..packed_matmul import packed_matmul
-from ..quantize import fake_quantize_activation, quantize_weight
-from ..segmented_attention import (segmented_attention, segmented_attention_backward,
-                                   segmented_attention_forward)
+from ... import _backend, _dispatch, _validate
+from ..._ctx import Ctx
+from ..quantize import ACT_FORMATS as _ACT_QMAX, WEIGHT_FORMATS as _WEIGHT_BITS
+from ..saved_activation import saved_policy
+from . import _layer
 
 OP = "lowrank_residual"
 ATTENTIONS = ("causal_linear", "segmented")
-WEIGHT_FORMATS = (None, "ternary", "sign", "int8")
-ACT_FORMATS = (None, "int8", "int4")
-SAVED_FORMATS = ("fp32", "int8", "int4", "int2", "sparse")
-#: Token rows per call of the residual (decoder) product when its activations are quantized.
-RESIDUAL_ROW_BLOCK = 128
-#: Base of the rotary angles (BDH's): phi = t * ROPE_THETA ** (-2j / N).
-ROPE_THETA = 2.0**16
-#: Multipliers of the dropout hash (see reference/lowrank_residual.py, dropout_keep_ref).
-HASH_SEED_MUL = 0x9E3779B9
-HASH_HIGH_MUL = 0x85EBCA6B
-HASH_MUL_1 = 0x7FEB352D
-HASH_MUL_2 = 0x846CA68B
+WEIGHT_FORMATS = (None, *_WEIGHT_BITS)
+ACT_FORMATS = (None, *_ACT_QMAX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,38 +137,16 @@ def _weight(w, name):
 
 
 def _lengths(lengths, T):
+    """Segment lengths as a tuple (None: one segment of all T tokens), by the one rule of
+    ``lowbit._validate.offsets``."""
     if lengths is None:
         return (T,)
-    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__len__"):
-        raise TypeError(f"lengths must be a sequence of integers, got {type(lengths).__name__}")
-    host = lengths.get() if _backend.is_cupy_array(lengths) else lengths
-    values = tuple(_validate.integer(v, f"lengths[{i}]", minimum=1)
-                   for i, v in enumerate(np.asarray(host).reshape(-1).tolist()
-                                         if isinstance(host, np.ndarray) else host))
-    if not values:
-        raise ValueError("lengths must not be empty")
-    total = sum(values)  # Python ints: no overflow
-    if total != T:
-        raise ValueError(f"lengths must sum to T={T} (current.shape[1]), got {total}")
-    return values
-
-
-def _saved(saved):
-    if saved is None:
-        return None
-    if isinstance(saved, str):
-        if saved not in SAVED_FORMATS:
-            raise ValueError(
-                f"saved must be one of {SAVED_FORMATS} or a SavedConfig, got {saved!r}")
-        return saved
-    fmt = getattr(saved, "format", None)
-    if fmt not in SAVED_FORMATS:
-        raise ValueError(f"saved must be one of {SAVED_FORMATS} or a SavedConfig, got {saved!r}")
-    return saved
+    return tuple(np.diff(_validate.offsets(lengths, T)).tolist())
 
 
 def _check(current, encoder, encoder_v, decoder, attention, lengths, plan, saved,
            relu_threshold, dropout, seed):
+    saved = saved_policy(saved)  # first: a bad policy raises before any kernel
     current = _validate.as_array(current, "current")
     _validate.floating(current, "current")
     if current.ndim != 3 or 0 in current.shape:
@@ -209,7 +175,6 @@ def _check(current, encoder, encoder_v, decoder, attention, lengths, plan, saved
         plan = LowBitPlan()
     elif not isinstance(plan, LowBitPlan):
         raise TypeError(f"plan must be a lowbit.LowBitPlan or None, got {type(plan).__name__}")
-    saved = _saved(saved)
     relu_threshold = _validate.finite_scalar(relu_threshold, "relu_threshold")
     dropout = _validate.finite_scalar(dropout, "dropout")
     if not 0.0 <= dropout < 1.0:
@@ -219,89 +184,6 @@ def _check(current, encoder, encoder_v, decoder, attention, lengths, plan, saved
         raise ValueError(f"seed must be below 2**32, got {seed}")
     return (current, encoder, encoder_v, decoder, attention, lengths, plan, saved,
             relu_threshold, dropout, seed)
-
-
-# -- array helpers (array-generic: numpy or cupy) -----------------------------------------------
-
-@functools.lru_cache(maxsize=16)
-def _rope_tables_host(T, N):
-    """cos/sin of the rotary angles, [T, N // 2] float32 each (angles in float64)."""
-    j = np.arange(N // 2, dtype=np.float64)
-    phi = np.arange(T, dtype=np.float64)[:, None] * ROPE_THETA ** (-2.0 * j / N)[None, :]
-    return np.cos(phi).astype(np.float32), np.sin(phi).astype(np.float32)
-
-
-def _rope_tables(T, N, xp):
-    cos, sin = _rope_tables_host(T, N)
-    return xp.asarray(cos), xp.asarray(sin)
-
-
-def _starts(lengths, xp):
-    """Segment boundaries [S + 1] int64: starts of every segment, then T."""
-    return xp.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-
-
-def _dropout_scale(shape, h, H, p, seed, xp, rows=slice(None)):
-    """Inverted-dropout multiplier of head ``h``: [B, T, N] float32 of 0 or 1 / (1 - p).
-
-    The keep decision hashes (seed, flat index into [B, H, T, N]); identical on every backend.
-    ``rows`` selects batch rows (a slice), for a backward that goes row by row.
-    """
-    B, T, N = shape
-    b = xp.arange(B, dtype=np.uint64)[rows, None, None]
-    rest = xp.arange(T * N, dtype=np.uint64).reshape(1, T, N)
-    index = (b * np.uint64(H) + np.uint64(h)) * np.uint64(T * N) + rest
-    x = (index & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-    x += np.uint32((seed * HASH_SEED_MUL) & 0xFFFFFFFF)
-    x += (index >> np.uint64(32)).astype(np.uint32) * np.uint32(HASH_HIGH_MUL)
-    x ^= x >> np.uint32(16)
-    x *= np.uint32(HASH_MUL_1)
-    x ^= x >> np.uint32(15)
-    x *= np.uint32(HASH_MUL_2)
-    x ^= x >> np.uint32(16)
-    threshold = min(int(round(p * 2.0**32)), 2**32)
-    keep = x >= np.uint64(threshold) if threshold < 2**32 else xp.zeros(x.shape, dtype=bool)
-    return keep.astype(np.float32) * np.float32(1.0 / (1.0 - p))
-
-
-def _quantize_weights(plan, encoder, encoder_v, decoder):
-    """Quantized forms of the weights the plan asks for: {name: PackedWeight or list}."""
-    packed = {}
-    wx, wy, wr = plan.x[0], plan.y[0], plan.residual[0]
-    if wx is not None:
-        packed["encoder"] = [quantize_weight(encoder[h], wx) for h in range(encoder.shape[0])]
-    if wy is not None:
-        packed["encoder_v"] = [quantize_weight(encoder_v[h], wy) for h in range(encoder_v.shape[0])]
-    if wr is not None:
-        packed["decoder"] = quantize_weight(decoder, wr)
-    return packed
-
-
-def _project(x, w, pw, act):
-    """``Qa(x) @ Qw(w)`` in float32: the packed kernels when the weight is quantized.
-
-    Args:
-        x: [..., K] float32; w: [K, N] float32 master weight; pw: its PackedWeight or None;
-        act: activation format or None.
-    """
-    if pw is not None:
-        return packed_matmul(x, pw, act_format=act)
-    if act is not None:
-        x = fake_quantize_activation(x, act)
-    return x @ w
-
-
-def _project_backward(dy, x, w, pw, act):
-    """Straight-through backward of ``_project``: ``(dx, dw)`` in float32.
-
-    ``dx = dy @ Qw(w).T`` and ``dw = Qa(x).T @ dy`` (leading axes flattened), with ``x`` the
-    input as recovered from the ctx.
-    """
-    wq = pw.dequantize() if pw is not None else w
-    xq = fake_quantize_activation(x, act) if act is not None else x
-    K, N = wq.shape
-    dw = xq.reshape(-1, K).T @ dy.reshape(-1, N)
-    return dy @ wq.T, dw
 
 
 # -- the op ---------------------------------------------------------------------------------------
@@ -349,104 +231,17 @@ def _forward(current, encoder, encoder_v, decoder, attention, lengths, plan, sav
      dropout, seed) = _check(current, encoder, encoder_v, decoder, attention, lengths, plan,
                              saved, relu_threshold, dropout, seed)
     _, impl = _dispatch.resolve(OP, current, encoder, encoder_v, decoder)
-    xp = _backend.array_module(current)
     f32 = lambda a: a.astype(np.float32, copy=False)  # noqa: E731
     current, encoder, encoder_v, decoder = map(f32, (current, encoder, encoder_v, decoder))
-    B, T, D = current.shape
-    H, _, N = encoder.shape
-    thr = np.float32(relu_threshold)
-    stage = functools.partial(_profile.stage, "forward", like=current)
-    packed = _quantize_weights(plan, encoder, encoder_v, decoder)
-    starts = _starts(lengths, xp)
-    cos, sin = _rope_tables(T, N, xp)
-    flat_residual = plan.residual != (None, None)
-    mlp = _backend.empty((B, T, D), np.float32, xp) if not flat_residual else None
-    flat = _backend.empty((B, T, H * N), np.float32, xp) if flat_residual else None
-    saved_x, saved_y, saved_a, saved_am, saved_ar = [], [], [], [], []
-    for h in range(H):
-        with stage("x projection"):
-            x_neuron = _project(current, encoder[h], packed.get("encoder", [None] * H)[h],
-                                plan.x[1])
-            x_neuron -= thr
-            xp.maximum(x_neuron, 0, out=x_neuron)
-        with stage("attention"):
-            if attention == "causal_linear":
-                a = impl.causal_linear_forward(x_neuron, current, starts, cos, sin)
-            else:
-                a = _softmax_attention(x_neuron, current, lengths)
-        with stage("norms"):
-            a_hat, a_mean, a_rstd = impl.layer_norm_forward(a)
-        with stage("y projection"):
-            y_gate = _project(a_hat, encoder_v[h], packed.get("encoder_v", [None] * H)[h],
-                              plan.y[1])
-            y_gate -= thr
-            xp.maximum(y_gate, 0, out=y_gate)
-            del a_hat
-        with stage("product"):
-            y_neuron = x_neuron * y_gate
-            if dropout > 0:
-                y_neuron *= _dropout_scale((B, T, N), h, H, dropout, seed, xp)
-        if keep:
-            saved_x.append(save(x_neuron, saved, kind="nonneg"))
-            saved_y.append(save(y_gate, saved, kind="nonneg"))
-            saved_a.append(save(a, saved))
-            saved_am.append(save(a_mean, None))
-            saved_ar.append(save(a_rstd, None))
-        del x_neuron, y_gate, a
-        with stage("decoder tail"):
-            if flat_residual:
-                flat[:, :, h * N:(h + 1) * N] = y_neuron
-            elif h == 0:
-                xp.matmul(y_neuron, decoder[:N], out=mlp)
-            else:
-                mlp += y_neuron @ decoder[h * N:(h + 1) * N]
-            del y_neuron
-    with stage("decoder tail"):
-        if flat_residual:
-            # Row blocks: activations are quantized per row, so this is the one product, and
-            # the matmul's own temporaries stay a block's size.
-            mlp = _backend.empty((B, T, D), np.float32, xp)
-            rows, out_rows = flat.reshape(B * T, H * N), mlp.reshape(B * T, D)
-            for r0 in range(0, B * T, RESIDUAL_ROW_BLOCK):
-                out_rows[r0:r0 + RESIDUAL_ROW_BLOCK] = _project(
-                    rows[r0:r0 + RESIDUAL_ROW_BLOCK], decoder, packed.get("decoder"),
-                    plan.residual[1])
-            del flat, rows
-    with stage("residual"):
-        m_hat, m_mean, m_rstd = impl.layer_norm_forward(mlp)
-        m_hat += current
-        out, o_mean, o_rstd = impl.layer_norm_forward(m_hat)
-        del m_hat
+    out, fields = _layer.forward(impl, current, encoder, encoder_v, decoder, attention, lengths,
+                                 plan, saved, relu_threshold, dropout, seed, keep)
     if not keep:
         return out, None
     ctx = LowrankResidualCtx(
-        shape=(B, T, D, H, N), attention=attention, lengths=lengths, plan=plan,
-        relu_threshold=relu_threshold, dropout=dropout, seed=seed, encoder=encoder,
-        encoder_v=encoder_v, decoder=decoder, packed=packed, current=save(current, saved),
-        x_neuron=saved_x, y_gate=saved_y, attn=saved_a, attn_mean=saved_am, attn_rstd=saved_ar,
-        mlp=save(mlp, saved), mlp_mean=save(m_mean, None), mlp_rstd=save(m_rstd, None),
-        out_mean=save(o_mean, None), out_rstd=save(o_rstd, None))
+        shape=(*current.shape, encoder.shape[0], encoder.shape[2]), attention=attention,
+        lengths=lengths, plan=plan, relu_threshold=relu_threshold, dropout=dropout, seed=seed,
+        encoder=encoder, encoder_v=encoder_v, decoder=decoder, **fields)
     return out, ctx
-
-
-def _seg_args(x_neuron, current, lengths):
-    B, T, N = x_neuron.shape
-    q = x_neuron.reshape(B * T, 1, N)
-    v = current.reshape(B * T, 1, current.shape[2])
-    return q, v, list(lengths) * B, 1.0 / math.sqrt(N)
-
-
-def _softmax_attention(x_neuron, current, lengths):
-    """Causal softmax attention with q = k = x_neuron through lowbit.segmented_attention."""
-    q, v, tiled, scale = _seg_args(x_neuron, current, lengths)
-    out = segmented_attention(q, q, v, tiled, scale=scale, causal=True)
-    return out.reshape(current.shape)
-
-
-def _normalized(saved_x, mean, rstd):
-    """Recompute ``(x - mean) * rstd`` from a saved pre-norm tensor and its statistics."""
-    x = saved_x.unpack()
-    return (x - mean.unpack()[..., None]) * rstd.unpack()[..., None]
 
 
 def lowrank_residual_backward(dnext, ctx, *, accumulate=None):
@@ -471,106 +266,12 @@ def lowrank_residual_backward(dnext, ctx, *, accumulate=None):
                         f"{type(ctx).__name__}")
     dnext = _validate.floating(_validate.as_array(dnext, "dnext"), "dnext")
     B, T, D, H, N = ctx.shape
-    if tuple(dnext.shape) != (B, T, D):
-        raise ValueError(f"dnext must have shape {(B, T, D)} like next, got {tuple(dnext.shape)}")
+    _validate.shape(dnext, (B, T, D), "dnext", "the forward output's")
     _validate.all_finite(dnext, "dnext")
     _, impl = _dispatch.resolve(OP, dnext, ctx.encoder)
     xp = _backend.array_module(dnext)
     grads = _accumulators(accumulate, (H, D, N), (H * N, D), xp)
-    dencoder, dencoder_v, ddecoder = grads
-    dnext = dnext.astype(np.float32, copy=False)
-    plan = ctx.plan
-    stage = functools.partial(_profile.stage, "backward", like=dnext)
-    starts = _starts(ctx.lengths, xp)
-    cos, sin = _rope_tables(T, N, xp)
-    current = ctx.current.unpack()
-    with stage("residual"):
-        m_hat = _normalized(ctx.mlp, ctx.mlp_mean, ctx.mlp_rstd)
-        r_hat = (current + m_hat - ctx.out_mean.unpack()[..., None]) * ctx.out_rstd.unpack()[
-            ..., None]
-        dcurrent = impl.layer_norm_backward(dnext, r_hat, ctx.out_rstd.unpack())
-        del r_hat
-        dmlp = impl.layer_norm_backward(dcurrent, m_hat, ctx.mlp_rstd.unpack())
-        del m_hat
-    with stage("decoder tail"):
-        # Qw(decoder) as codes (dequantized head by head), and the per-token scale of
-        # Qa(y_neuron) over all H * N features.
-        pw = ctx.packed.get("decoder")
-        dec_codes = pw.codes() if pw is not None else None
-        act = plan.residual[1]
-        row_scale = _residual_row_scale(ctx, act, xp) if act is not None else None
-    for h in range(H):
-        x_all = ctx.x_neuron[h].unpack()
-        y_all = ctx.y_gate[h].unpack()
-        a_all = ctx.attn[h].unpack()
-        with stage("decoder tail"):
-            if dec_codes is None:
-                dec_h = ctx.decoder[h * N:(h + 1) * N]
-            else:
-                dec_h = dec_codes[h * N:(h + 1) * N].astype(np.float32)
-                dec_h *= pw.scale.astype(np.float32)
-        # One batch row at a time: the per-row temporaries are 1 / B of a head's.
-        for b in range(B):
-            rows = slice(b, b + 1)
-            x_neuron, y_gate, dmlp_b = x_all[rows], y_all[rows], dmlp[rows]
-            keep = (_dropout_scale((B, T, N), h, H, ctx.dropout, ctx.seed, xp, rows)
-                    if ctx.dropout > 0 else None)
-            with stage("decoder tail"):
-                y_neuron = x_neuron * y_gate
-                if keep is not None:
-                    y_neuron *= keep
-                if act is not None:
-                    y_neuron = _fake_quantize_rows(y_neuron, row_scale[rows], ACT_QMAX[act], xp)
-                ddecoder[h * N:(h + 1) * N] += y_neuron[0].T @ dmlp_b[0]
-                del y_neuron
-                dy_neuron = dmlp_b @ dec_h.T
-            with stage("product"):
-                if keep is not None:
-                    dy_neuron *= keep
-                del keep
-                dx_neuron = dy_neuron * y_gate
-                dy_pre = dy_neuron
-                dy_pre *= x_neuron
-                dy_pre *= y_gate > 0
-                del dy_neuron
-            with stage("norms"):
-                a_hat = ((a_all[rows] - ctx.attn_mean[h].unpack()[rows][..., None])
-                         * ctx.attn_rstd[h].unpack()[rows][..., None])
-            with stage("y projection"):
-                pwv = ctx.packed["encoder_v"][h] if "encoder_v" in ctx.packed else None
-                da_hat, dw = _project_backward(dy_pre, a_hat, ctx.encoder_v[h], pwv, plan.y[1])
-                dencoder_v[h] += dw
-                del dy_pre, dw
-            with stage("norms"):
-                da = impl.layer_norm_backward(da_hat, a_hat, ctx.attn_rstd[h].unpack()[rows])
-                del a_hat, da_hat
-            with stage("attention"):
-                if ctx.attention == "causal_linear":
-                    dxa, dva = impl.causal_linear_backward(da, x_neuron, current[rows], starts,
-                                                           cos, sin)
-                else:
-                    dxa, dva = _softmax_attention_backward(da, x_neuron, current[rows],
-                                                           ctx.lengths)
-                del da
-                dcurrent[rows] += dva
-                dx_neuron += dxa
-                del dxa, dva
-            with stage("x projection"):
-                dx_neuron *= x_neuron > 0
-                pwx = ctx.packed["encoder"][h] if "encoder" in ctx.packed else None
-                dcur_b, dw = _project_backward(dx_neuron, current[rows], ctx.encoder[h], pwx,
-                                               plan.x[1])
-                dencoder[h] += dw
-                dcurrent[rows] += dcur_b
-                del dcur_b, dx_neuron, dw, x_neuron, y_gate
-        del x_all, y_all, a_all, dec_h
-    return dcurrent, dencoder, dencoder_v, ddecoder
-
-
-#: Largest code of each activation format (lowbit.quantize_activation's qmax).
-ACT_QMAX = {"int8": 127, "int4": 7}
-#: Scale floor of the activation quantizer (BitNet b1.58's eps).
-ACT_SCALE_EPS = 1e-5
+    return _layer.backward(impl, dnext.astype(np.float32, copy=False), ctx, grads)
 
 
 def _accumulators(accumulate, enc_shape, dec_shape, xp):
@@ -587,44 +288,3 @@ def _accumulators(accumulate, enc_shape, dec_shape, xp):
             raise ValueError(f"accumulate {name} must be float32 of shape {shape}, got "
                              f"{a.dtype} {tuple(a.shape)}")
     return tuple(accumulate)
-
-
-def _residual_row_scale(ctx, act, xp):
-    """Per-token scale of ``Qa(y_neuron)`` over all H * N features: [B, T] float32.
-
-    The same formula as ``lowbit.quantize_activation`` (``max(max|row|, eps) / qmax``; the rows
-    are non-negative), computed head by head so the backward never holds all of ``y_neuron``.
-    """
-    B, T, D, H, N = ctx.shape
-    top = xp.zeros((B, T), np.float32)
-    for h in range(H):
-        xp.maximum(top, _product(ctx, h, xp).max(axis=-1), out=top)
-    return xp.maximum(top, np.float32(ACT_SCALE_EPS)) / np.float32(ACT_QMAX[act])
-
-
-def _fake_quantize_rows(x, scale, qmax, xp):
-    """``clip(rint(x / scale), -qmax, qmax) * scale`` with a given row scale [...] (float32)."""
-    q = x / scale[..., None]
-    xp.rint(q, out=q)
-    xp.clip(q, -qmax, qmax, out=q)
-    q *= scale[..., None]
-    return q
-
-
-def _product(ctx, h, xp):
-    """Recompute ``y_neuron`` of head ``h`` from the saved x_neuron and y_gate."""
-    B, T, D, H, N = ctx.shape
-    y_neuron = ctx.x_neuron[h].unpack() * ctx.y_gate[h].unpack()
-    if ctx.dropout > 0:
-        y_neuron *= _dropout_scale((B, T, N), h, H, ctx.dropout, ctx.seed, xp)
-    return y_neuron
-
-
-def _softmax_attention_backward(da, x_neuron, current, lengths):
-    """Gradients (dx_neuron, dcurrent) of ``_softmax_attention``; recomputes its forward."""
-    q, v, tiled, scale = _seg_args(x_neuron, current, lengths)
-    _, actx = segmented_attention_forward(q, q, v, tiled, scale=scale, causal=True)
-    dq, dk, dv = segmented_attention_backward(da.reshape(v.shape[0], 1, -1), actx)
-    dq += dk
-    return dq.reshape(x_neuron.shape), dv.reshape(current.shape)
-

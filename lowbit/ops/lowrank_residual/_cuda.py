@@ -15,9 +15,11 @@ THREADS = 128
 WARP_SIZE = 32
 #: Rows per layer-norm block (one warp each).
 LN_ROWS = THREADS // WARP_SIZE
-#: Keys per shared-memory score tile (kTile in the .cu file).
+#: Keys per shared-memory score tile.
 TILE = 32
 FLOAT_BYTES = 4
+#: The constants of the .cu file this launcher mirrors (tests/test_launch_constants.py).
+CU_CONSTANTS = {"kTile": TILE, "kWarpSize": WARP_SIZE}
 
 
 def _kernel(name, like):

@@ -12,13 +12,15 @@ import numba
 import numpy as np
 
 from ... import _backend
+from ._numpy import LN_EPS
+
+# The layer-norm kernels freeze LN_EPS, a global of another file, into Numba's cache.
+_backend.numba_cache_guard(__file__)
 
 #: Tokens per chunk (intra-chunk scores are CHUNK x CHUNK). 128 against 64: the BDH bench's
 #: attention (T = 256, N = 1024, D = 256) 1.3x faster forward and backward, T = 1024 1.1x (the
 #: [N, D] state products take fewer, larger BLAS calls; measured).
 CHUNK = 128
-#: Layer-norm epsilon (added to the biased variance).
-LN_EPS = 1e-5
 
 
 @numba.njit(cache=True)
@@ -46,14 +48,18 @@ def _mask_strict_lower(m):
 
 
 @numba.njit(cache=True)
+def _job(starts, job):
+    """Batch row and token bounds of job ``job``: one segment of one batch row."""
+    nseg = starts.shape[0] - 1
+    return job // nseg, starts[job % nseg], starts[job % nseg + 1]
+
+
+@numba.njit(cache=True)
 def _forward(x, v, starts, cos, sin, out):
     B, T, N = x.shape
     D = v.shape[2]
-    nseg = starts.shape[0] - 1
-    for job in range(B * nseg):
-        b = job // nseg
-        s0 = starts[job % nseg]
-        s1 = starts[job % nseg + 1]
+    for job in range(B * (starts.shape[0] - 1)):
+        b, s0, s1 = _job(starts, job)
         state = np.zeros((N, D), dtype=np.float32)
         qc = np.empty((CHUNK, N), dtype=np.float32)
         for c0 in range(s0, s1, CHUNK):
@@ -76,11 +82,8 @@ def _forward(x, v, starts, cos, sin, out):
 def _backward(da, x, v, starts, cos, sin, dx, dv):
     B, T, N = x.shape
     D = v.shape[2]
-    nseg = starts.shape[0] - 1
-    for job in range(B * nseg):
-        b = job // nseg
-        s0 = starts[job % nseg]
-        s1 = starts[job % nseg + 1]
+    for job in range(B * (starts.shape[0] - 1)):
+        b, s0, s1 = _job(starts, job)
         length = s1 - s0
         q = np.empty((length, N), dtype=np.float32)
         _rope_rows(x, b, s0, s1, cos, sin, np.float32(1.0), q)

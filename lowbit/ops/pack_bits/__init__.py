@@ -64,7 +64,7 @@ def pack_bits(codes, bits, axis=-1):
     n = moved.shape[-1]
     rows = xp.ascontiguousarray(moved.astype(np.uint8, copy=False)).reshape(
         math.prod(moved.shape[:-1]), n)
-    packed = impl.pack_bits(rows, bits)
+    packed = impl.pack(rows, bits)
     packed = packed.reshape(moved.shape[:-1] + (packed_length(n, bits),))
     return xp.moveaxis(packed, -1, ax)
 
@@ -93,5 +93,5 @@ def unpack_bits(packed, bits, count, axis=-1):
     _, impl = _dispatch.resolve("pack_bits", packed)
     moved = xp.moveaxis(packed, ax, -1)
     rows = xp.ascontiguousarray(moved).reshape(math.prod(moved.shape[:-1]), moved.shape[-1])
-    codes = impl.unpack_bits(rows, bits, count)
+    codes = impl.unpack(rows, bits, count)
     return xp.moveaxis(codes.reshape(moved.shape[:-1] + (count,)), -1, ax)

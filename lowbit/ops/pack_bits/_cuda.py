@@ -13,13 +13,16 @@ NAME_EXPRESSIONS = tuple(f"{kind}<{bits}>" for kind in ("pack_bits", "unpack_bit
 THREADS = 256
 #: Grid-stride loops cover the rest; enough blocks to fill any current GPU.
 MAX_BLOCKS = 4096
+#: The constants of the .cu file this launcher mirrors (tests/test_launch_constants.py): none,
+#: the kernels take every size as an argument and the bit width as a template argument.
+CU_CONSTANTS = {}
 
 
 def _grid(total):
     return (max(1, min(MAX_BLOCKS, -(-total // THREADS))),)
 
 
-def pack_bits(codes, bits):
+def pack(codes, bits):
     """codes: [rows, n] uint8 -> [rows, ceil(n * bits / 8)] uint8."""
     xp = _backend.array_module(codes)
     rows, n = codes.shape
@@ -32,7 +35,7 @@ def pack_bits(codes, bits):
     return out
 
 
-def unpack_bits(packed, bits, count):
+def unpack(packed, bits, count):
     """packed: [rows, nbytes] uint8 -> [rows, count] uint8."""
     xp = _backend.array_module(packed)
     rows, nbytes = packed.shape

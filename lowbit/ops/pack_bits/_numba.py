@@ -41,7 +41,7 @@ def _unpack(packed, bits, out):
             out[r, i] = (byte >> ((i - start) * bits)) & mask
 
 
-def pack_bits(codes, bits):
+def pack(codes, bits):
     """codes: [rows, n] uint8 -> [rows, ceil(n * bits / 8)] uint8."""
     rows, n = codes.shape
     out = _backend.empty((rows, -(-n // (8 // bits))), np.uint8)
@@ -50,7 +50,7 @@ def pack_bits(codes, bits):
     return out
 
 
-def unpack_bits(packed, bits, count):
+def unpack(packed, bits, count):
     """packed: [rows, nbytes] uint8 -> [rows, count] uint8."""
     out = _backend.empty((packed.shape[0], count), np.uint8)
     if out.size:

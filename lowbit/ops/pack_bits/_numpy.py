@@ -8,7 +8,7 @@ import numpy as np
 from ... import _backend
 
 
-def pack_bits(codes, bits):
+def pack(codes, bits):
     """codes: [rows, n] uint8 -> [rows, ceil(n * bits / 8)] uint8."""
     xp = _backend.array_module(codes)
     per = 8 // bits
@@ -23,7 +23,7 @@ def pack_bits(codes, bits):
     return out
 
 
-def unpack_bits(packed, bits, count):
+def unpack(packed, bits, count):
     """packed: [rows, nbytes] uint8 -> [rows, count] uint8."""
     xp = _backend.array_module(packed)
     per = 8 // bits

@@ -2,7 +2,7 @@
 
 ``packed_matmul(x, pw, act_format)`` multiplies activations by a ``lowbit.PackedWeight``;
 ``linear_forward`` / ``linear_backward`` train through quantization with a straight-through
-estimator. Backends: ``_numpy.py``, ``_numba.py``, ``_cuda.py`` (kernels in
+estimator. Backends: ``_numpy.py``, ``_numba/`` (a package), ``_cuda.py`` (kernels in
 ``cuda/packed_matmul.cu``); formats in ``lowbit/ops/quantize``; reference
 ``reference/packed_matmul.py``; tests ``tests/test_packed_matmul.py``; benchmark
 ``bench/matmul.py``.
@@ -18,6 +18,7 @@ from ... import _backend, _ctx, _dispatch, _validate
 from ..quantize import (PackedWeight, _rows, _weight_input, act_format as _act_format,
                         checked_packed, quantize_rows, quantize_weight,
                         weight_format as _weight_format)
+from ..saved_activation import save, saved_policy
 
 
 def _optional_act(format):
@@ -83,6 +84,67 @@ def _forward(x, pw, act):
     return impl.matmul_float(rows, pw.data, pw.scale, pw.format, K), None, None
 
 
+def activation_codes(x, act):
+    """Validated per-row activation codes of ``x`` [..., K] as rows: ``(codes [M, K] int8,
+    scale [M] float32)``."""
+    K = x.shape[-1]
+    codes, scale = quantize_rows(x, act)
+    return codes.reshape(-1, K), scale.reshape(-1)
+
+
+def straight_through_forward(x, w32, pw, act):
+    """``y = Qa(x) @ Qw(w)``: the forward of every straight-through projection.
+
+    ``linear_forward`` and the BDH layer's projections both run this, so the two cannot drift.
+
+    Args:
+        x: [..., K] float32 or float64, validated by the caller (finiteness is checked here).
+        w32: [K, N] float32 master weight (used when ``pw`` is None).
+        pw: the ``PackedWeight`` of ``w`` (the packed kernels run), or None (no weight
+            quantization).
+        act: activation format or None.
+
+    Returns:
+        ``(y, codes, scale)``: y [M, N] float32 (leading axes of ``x`` flattened); with ``act``
+        the activation codes [M, K] int8 and row scales [M] float32 the backward needs, else
+        ``(y, None, None)``.
+    """
+    if pw is not None:
+        return _forward(x, pw, act)
+    if act is not None:
+        codes, scale = activation_codes(x, act)
+        return (codes.astype(np.float32) @ w32) * scale[:, None], codes, scale
+    _validate.all_finite(x, "x")
+    return _float32_rows(x) @ w32, None, None
+
+
+def straight_through_backward(dy, w32, pw, a, scale_a):
+    """Straight-through backward of ``straight_through_forward``: ``(dx, dw)`` float32.
+
+    ``dx = dy @ Qw(w).T`` runs on the packed dx kernels when ``pw`` is given (for ternary and
+    sign a signed sum of ``dy`` entries times the one scale); ``dw = Qa(x).T @ dy``. The
+    quantizers' own derivatives are taken as the identity.
+
+    Args:
+        dy: [M, N] float32 rows.
+        w32: [K, N] float32 master weight; pw: its ``PackedWeight`` or None.
+        a: [M, K] int8 activation codes with ``scale_a`` [M] float32, or the float32 input rows
+            with ``scale_a`` None.
+
+    Returns:
+        dx [M, K], dw [K, N].
+    """
+    g = _float32_rows(dy)
+    K = w32.shape[0]
+    if pw is not None:
+        _, impl = _dispatch.resolve("packed_matmul", g, pw.data)
+        dx = impl.matmul_dx(g, pw.data, pw.scale, pw.format, K)
+    else:
+        _, impl = _dispatch.resolve("packed_matmul", g)
+        dx = g @ w32.T
+    return dx, impl.matmul_dw(g, a, scale_a)
+
+
 @dataclasses.dataclass(frozen=True)
 class LinearCtx(_ctx.Ctx):
     """What ``linear_backward`` needs from ``linear_forward``.
@@ -128,6 +190,7 @@ def linear_forward(x, w, weight_format, act_format="int8", *, saved=None):
     Raises:
         TypeError / ValueError: bad arrays, formats or non-finite input, naming the argument.
     """
+    saved = saved_policy(saved)  # first: a bad policy raises before any kernel
     x = _rows(x, "x")
     w = _weight_input(w, "w")
     wf = None if weight_format is None else _weight_format(weight_format, "weight_format")
@@ -137,22 +200,14 @@ def linear_forward(x, w, weight_format, act_format="int8", *, saved=None):
     K, N = w.shape
     w32 = xp.ascontiguousarray(w, dtype=np.float32)
     pw = quantize_weight(w, wf) if wf is not None else None
-    codes = scale = act_saved = None
-    if pw is not None:
-        y, codes, scale = _forward(x, pw, act)
-    elif act is not None:
-        codes, scale = quantize_rows(x, act)
-        codes, scale = codes.reshape(-1, K), scale.reshape(-1)
-        y = (codes.astype(np.float32) @ w32) * scale[:, None]
-    else:
-        _validate.all_finite(x, "x")
-        y = _float32_rows(x) @ w32
+    y, codes, scale = straight_through_forward(x, w32, pw, act)
+    act_saved = None
     if act is None:
-        act_saved = _ctx.save(_float32_rows(x), saved, kind="values")
+        act_saved = save(_float32_rows(x), saved, kind="values")
     ctx = LinearCtx(
         weight_format=wf, act_format=act, x_shape=tuple(x.shape), weight=w32, packed=pw,
-        act_codes=None if codes is None else _ctx.save(codes, None),
-        act_scale=None if scale is None else _ctx.save(scale, None),
+        act_codes=None if codes is None else save(codes, None),
+        act_scale=None if scale is None else save(scale, None),
         act=act_saved,
     )
     return y.reshape(x.shape[:-1] + (N,)), ctx
@@ -181,20 +236,12 @@ def linear_backward(dy, ctx):
     _validate.floating(dy, "dy")
     K, N = ctx.weight.shape
     expected = ctx.x_shape[:-1] + (N,)
-    if tuple(dy.shape) != expected:
-        raise ValueError(f"dy must have the forward output's shape {expected}, got {dy.shape}")
-    xp = _backend.array_module(dy, ctx.weight)
-    g = _float32_rows(dy)
-    pw = ctx.packed
-    if pw is not None:
-        _, impl = _dispatch.resolve("packed_matmul", g, pw.data)
-        dx = impl.matmul_dx(g, pw.data, pw.scale, pw.format, K)
-    else:
-        _, impl = _dispatch.resolve("packed_matmul", g)
-        dx = g @ ctx.weight.T
+    _validate.shape(dy, expected, "dy", "the forward output's")
     if ctx.act_format is not None:
-        dw = impl.matmul_dw(ctx.act_codes.unpack(), ctx.act_scale.unpack(), g)
+        a, scale_a = ctx.act_codes.unpack(), ctx.act_scale.unpack()
     else:
+        xp = _backend.array_module(dy, ctx.weight)
         a = xp.ascontiguousarray(ctx.act.unpack().reshape(-1, K), dtype=np.float32)
-        dw = impl.matmul_dw(a, None, g)
+        scale_a = None
+    dx, dw = straight_through_backward(dy, ctx.weight, ctx.packed, a, scale_a)
     return dx.reshape(ctx.x_shape), dw

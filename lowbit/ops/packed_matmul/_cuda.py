@@ -1,6 +1,6 @@
 """Launchers for ``cuda/packed_matmul.cu`` (backends cuda and cudasim).
 
-Siblings: ``__init__.py``, ``_numpy.py``, ``_numba.py``; reference
+Siblings: ``__init__.py``, ``_numpy.py``, ``_numba/``; reference
 ``reference/packed_matmul.py``. Few rows run the ``__dp4a`` GEMV kernel, more rows the tiled
 int8 tensor-core GEMM (``mma.sync`` m16n8k32; its cudasim twin implements the same fragment
 layout).
@@ -19,7 +19,6 @@ NAME_EXPRESSIONS = tuple(
 )
 #: Rows at or below which the GEMV kernel runs instead of the tensor-core GEMM.
 GEMV_MAX_ROWS = 8
-#: Must match kGemvWarps, kGemmWarps, kTileM and kTileN in cuda/packed_matmul.cu.
 GEMV_WARPS = 8
 GEMM_WARPS = 4
 TILE_M = 32
@@ -28,6 +27,12 @@ WARP = 32
 THREADS = 256
 #: Grid-stride loops cover the rest; enough blocks to fill any current GPU.
 MAX_BLOCKS = 4096
+#: The constants of the .cu file this launcher mirrors (tests/test_launch_constants.py).
+CU_CONSTANTS = {
+    "kGemvWarps": GEMV_WARPS, "kGemmWarps": GEMM_WARPS, "kTileM": TILE_M, "kTileN": TILE_N,
+    "kWarpSize": WARP, "kTernary": _FORMAT_ID["ternary"], "kSign": _FORMAT_ID["sign"],
+    "kInt8": _FORMAT_ID["int8"],
+}
 
 
 def _kernel(name, like):
@@ -97,7 +102,7 @@ def matmul_dx(dy, data, scale_w, format, K):
     return dx
 
 
-def matmul_dw(a, scale_a, dy):
+def matmul_dw(dy, a, scale_a):
     """dw [K, N] float32 = ``Qa(x).T @ dy``.
 
     Args:

@@ -1,6 +1,6 @@
 """Vectorized packed matmul (array-generic: numpy or cupy): decode the codes, then matmul.
 
-Siblings: ``__init__.py`` (validation, ctx), ``_numba.py``, ``_cuda.py``
+Siblings: ``__init__.py`` (validation, ctx), ``_numba/``, ``_cuda.py``
 (``cuda/packed_matmul.cu``); reference ``reference/packed_matmul.py``. Weight decoding comes from
 ``lowbit/ops/quantize/_numpy.py``.
 """
@@ -57,7 +57,7 @@ def matmul_dx(dy, data, scale_w, format, K):
     return dx
 
 
-def matmul_dw(a, scale_a, dy):
+def matmul_dw(dy, a, scale_a):
     """dw [K, N] float32 = ``Qa(x).T @ dy``.
 
     Args:

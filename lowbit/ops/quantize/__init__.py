@@ -30,6 +30,8 @@ from ..pack_bits import pack_bits
 
 #: Weight formats and the bits each stored code takes.
 WEIGHT_FORMATS = {"ternary": 2, "sign": 1, "int8": 8}
+#: Weight formats and their largest code magnitude.
+WEIGHT_QMAX = {"ternary": 1, "sign": 1, "int8": 127}
 #: Activation formats and their largest code magnitude.
 ACT_FORMATS = {"int8": 127, "int4": 7}
 #: Scale floor (BitNet b1.58's), applied to the statistic before dividing by the level count.
@@ -195,7 +197,7 @@ def quantize_rows(x, format, name="x"):
     K = x.shape[-1]
     rows = xp.ascontiguousarray(x).reshape(-1, K)
     _, impl = _dispatch.resolve("quantize", rows)
-    codes, scale = impl.quantize_rows(rows, ACT_FORMATS[format])
+    codes, scale = impl.row_codes(rows, ACT_FORMATS[format])
     if scale.size and not bool(xp.isfinite(scale).all()):
         bad = int(xp.flatnonzero(~xp.isfinite(scale))[0])
         raise ValueError(f"{name} must be finite, got a non-finite value in row {bad}")
@@ -240,3 +242,28 @@ def fake_quantize_activation(x, format="int8"):
     Its backward is the identity (straight-through estimator).
     """
     return quantize_activation(x, format).dequantize().astype(x.dtype, copy=False)
+
+
+def weight_rows(pw, k0: int, k1: int) -> PackedWeight:
+    """Rows ``k0:k1`` (input features) of a packed weight: a ``PackedWeight`` of shape
+    ``(k1 - k0, N)`` with the same scale, on the array module of ``pw.data``.
+
+    A slice on byte boundaries copies those bytes; any other is re-packed from the codes.
+    """
+    pw = checked_packed(pw, "pw")
+    K, N = pw.shape
+    if not 0 <= k0 < k1 <= K:
+        raise ValueError(f"rows {k0}:{k1} must be a non-empty range inside K = {K}")
+    xp = _backend.array_module(pw.data)
+    per = pw.codes_per_byte
+    if k0 % per == 0 and (k1 % per == 0 or k1 == K):
+        data = xp.ascontiguousarray(pw.data[:, k0 // per:-(-k1 // per)])
+    else:
+        codes = pw.codes()[k0:k1].T
+        if pw.format == "int8":
+            data = xp.ascontiguousarray(codes)
+        else:
+            stored = codes + 1 if pw.format == "ternary" else codes > 0
+            data = pack_bits(xp.ascontiguousarray(stored.astype(np.uint8)),
+                             WEIGHT_FORMATS[pw.format], axis=-1)
+    return PackedWeight(pw.format, (k1 - k0, N), data, pw.scale)

@@ -10,19 +10,24 @@ import numpy as np
 
 from ... import _backend, _kernels
 from ..pack_bits import _cuda as _pack_bits_cuda
-from ._numpy import weight_scale
+from . import WEIGHT_FORMATS
+from ._numpy import signed_codes, weight_scale
 
 SOURCE = "quantize.cu"
+#: Template ids of the formats: kTernary, kSign, kInt8 in cuda/quantize.cu.
 _FORMAT_ID = {"ternary": 0, "sign": 1, "int8": 2}
 NAME_EXPRESSIONS = tuple(
     [f"weight_codes<{fmt}, {t}>" for fmt in range(3) for t in ("float", "double")]
     + [f"quantize_rows<{t}>" for t in ("float", "double")]
 )
 THREADS = 256
-#: Must equal kRowThreads in cuda/quantize.cu (one block per row).
+#: Threads of the per-row kernel (one block per row).
 ROW_THREADS = 128
 #: Grid-stride loops cover the rest; enough blocks to fill any current GPU.
 MAX_BLOCKS = 4096
+#: The constants of the .cu file this launcher mirrors (tests/test_launch_constants.py).
+CU_CONSTANTS = {"kRowThreads": ROW_THREADS, "kTernary": _FORMAT_ID["ternary"],
+                "kSign": _FORMAT_ID["sign"], "kInt8": _FORMAT_ID["int8"]}
 
 
 def weight_codes(w, format):
@@ -42,17 +47,10 @@ def weight_codes(w, format):
 
 def unpack_weight(data, format, K):
     """Packed data [N, bytes] -> signed codes [N, K] int8 (the pack_bits unpack kernel)."""
-    xp = _backend.array_module(data)
-    out = _backend.empty((data.shape[0], K), np.int8, xp)
-    if format == "int8":
-        out[...] = data
-        return out
-    stored = _pack_bits_cuda.unpack_bits(data, 2 if format == "ternary" else 1, K).view(np.int8)
-    out[...] = stored - np.int8(1) if format == "ternary" else np.int8(2) * stored - np.int8(1)
-    return out
+    return signed_codes(data, format, K, _pack_bits_cuda.unpack)
 
 
-def quantize_rows(x, qmax):
+def row_codes(x, qmax):
     """x: [M, K] float -> (codes [M, K] int8, scale [M] float32; NaN/inf for non-finite rows)."""
     xp = _backend.array_module(x)
     M, K = x.shape

@@ -2,15 +2,18 @@
 
 Siblings: ``__init__.py``, ``_numpy.py``, ``_cuda.py``; reference ``reference/quantize.py``.
 Quotients are formed in the input's dtype and rounded half to even (``np.rint``), as in the
-reference, so codes agree exactly.
+reference, so codes agree exactly. The scale floor and the format constants come from
+``__init__``; Numba freezes them into the cached kernels (its cache tracks only this file).
 """
 
 import numba
 import numpy as np
 
 from ... import _backend
+from . import EPS, WEIGHT_FORMATS, WEIGHT_QMAX
 
-EPS = 1e-5
+#: Largest int8 weight code (the kernels read it as a compile-time constant).
+_INT8_QMAX = WEIGHT_QMAX["int8"]
 _TERNARY, _SIGN, _INT8 = 0, 1, 2
 _FORMAT_ID = {"ternary": _TERNARY, "sign": _SIGN, "int8": _INT8}
 
@@ -27,11 +30,11 @@ def _column_abs_sums(w, out):
 
 @numba.njit(parallel=True, cache=True)
 def _column_scales(w, out):
-    """out[n] = max(max_k |w[k, n]|, eps) / 127 in w's dtype."""
+    """out[n] = max(max_k |w[k, n]|, eps) / qmax in w's dtype (qmax 127)."""
     K, N = w.shape
     zero = w.dtype.type(0)
     eps = w.dtype.type(EPS)
-    top = w.dtype.type(127)
+    top = w.dtype.type(_INT8_QMAX)
     for n in numba.prange(N):
         m = zero
         for k in range(K):
@@ -55,7 +58,7 @@ def _weight_codes(w, fmt, scale, out):
             elif fmt == _TERNARY:
                 out[n, k] = min(max(np.rint(v / s), -1), 1) + 1
             else:
-                out[n, k] = min(max(np.rint(v / s), -127), 127)
+                out[n, k] = min(max(np.rint(v / s), -_INT8_QMAX), _INT8_QMAX)
 
 
 # Serial, byte by byte: 0.65 ms for 4096 x 256 ternary codes against 1.5 ms for the parallel
@@ -132,11 +135,11 @@ def unpack_weight(data, format, K):
     if format == "int8":
         out[...] = data
     elif out.size:
-        _unpack_weight(data, 2 if format == "ternary" else 1, format == "ternary", K, out)
+        _unpack_weight(data, WEIGHT_FORMATS[format], format == "ternary", K, out)
     return out
 
 
-def quantize_rows(x, qmax):
+def row_codes(x, qmax):
     """x: [M, K] float -> (codes [M, K] int8, scale [M] float32; NaN for non-finite rows)."""
     codes = _backend.empty(x.shape, np.int8)
     scale = _backend.empty(x.shape[:1], np.float32)

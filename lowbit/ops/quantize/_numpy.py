@@ -8,9 +8,7 @@ import numpy as np
 
 from ... import _backend
 from ..pack_bits import _numpy as _pack_bits_numpy
-
-EPS = 1e-5
-_BITS = {"ternary": 2, "sign": 1}
+from . import EPS, WEIGHT_FORMATS, WEIGHT_QMAX
 
 
 def weight_scale(w, format):
@@ -18,7 +16,7 @@ def weight_scale(w, format):
     xp = _backend.array_module(w)
     dt = w.dtype.type
     if format == "int8":
-        return xp.maximum(xp.abs(w).max(axis=0), dt(EPS)) / dt(127)
+        return xp.maximum(xp.abs(w).max(axis=0), dt(EPS)) / dt(WEIGHT_QMAX["int8"])
     mean = xp.abs(w).sum(dtype=np.float64) / w.size
     return xp.maximum(mean, EPS).astype(w.dtype)
 
@@ -36,7 +34,8 @@ def weight_codes(w, format):
     elif format == "ternary":
         stored = (xp.clip(xp.rint(w.T / scale), -1, 1) + 1).astype(np.uint8)
     else:
-        stored = xp.clip(xp.rint(w.T / scale[:, None]), -127, 127).astype(np.int8)
+        qmax = WEIGHT_QMAX["int8"]
+        stored = xp.clip(xp.rint(w.T / scale[:, None]), -qmax, qmax).astype(np.int8)
     out = _backend.empty(stored.shape, stored.dtype, xp)
     out[...] = stored
     return out, scale
@@ -44,17 +43,23 @@ def weight_codes(w, format):
 
 def unpack_weight(data, format, K):
     """Packed data [N, bytes] -> signed codes [N, K] int8."""
+    return signed_codes(data, format, K, _pack_bits_numpy.unpack)
+
+
+def signed_codes(data, format, K, unpack):
+    """Signed codes [N, K] int8 of packed data, with ``unpack`` a backend's bit unpacker
+    (``pack_bits``'s ``unpack``); array-generic, so the cuda backend shares it."""
     xp = _backend.array_module(data)
     out = _backend.empty((data.shape[0], K), np.int8, xp)
     if format == "int8":
         out[...] = data
         return out
-    stored = _pack_bits_numpy.unpack_bits(data, _BITS[format], K).view(np.int8)
-    out[...] = stored - 1 if format == "ternary" else 2 * stored - 1
+    stored = unpack(data, WEIGHT_FORMATS[format], K).view(np.int8)
+    out[...] = stored - np.int8(1) if format == "ternary" else np.int8(2) * stored - np.int8(1)
     return out
 
 
-def quantize_rows(x, qmax):
+def row_codes(x, qmax):
     """x: [M, K] float -> (codes [M, K] int8, scale [M] float32).
 
     A row holding a non-finite value gets a non-finite scale (the absmax propagates NaN and inf)

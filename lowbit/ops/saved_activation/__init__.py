@@ -1,6 +1,6 @@
 """Bit-packed saved activations: ``pack_activation``, ``pack_mask``, ``SavedConfig``.
 
-The saved-activation policy behind ``lowbit._ctx.save``: every tensor an op keeps for its backward
+The saved-activation policy behind ``save`` (below): every tensor an op keeps for its backward
 goes through ``save_activation`` when the op was given ``saved=`` (a format string or a
 ``SavedConfig``), and comes back as a ``PackedActivation`` / ``PackedMask`` whose ``nbytes`` is
 the sum of ``itemsize * size`` of the arrays it holds.
@@ -21,7 +21,7 @@ bitwise-identical codes. Value checks (finite, non-negative for ``nonneg``) are 
 packing kernels' group statistics, so packing reads the tensor once; they raise before anything
 is returned and nothing the caller holds is written.
 
-Backends: ``_numpy.py``, ``_numba.py``, ``_cuda.py`` (``cuda/saved_activation.cu``); reference
+Backends: ``_numpy.py``, ``_numba/``, ``_cuda.py`` (``cuda/saved_activation.cu``); reference
 ``reference/saved_activation.py``; tests ``tests/test_saved_activation.py``; benchmark
 ``bench/memory.py``.
 """
@@ -34,7 +34,7 @@ import math
 import numpy as np
 
 from ... import _backend, _dispatch, _validate
-from ..._ctx import Saved
+from ..._ctx import Exact, Saved
 from ..pack_bits import pack_bits, unpack_bits
 
 FORMATS = ("fp32", "int8", "int4", "int2", "sparse")
@@ -44,9 +44,13 @@ ROUNDINGS = ("nearest", "stochastic")
 FORMAT_BITS = {"int8": 8, "int4": 4, "int2": 2}
 #: splitmix64's seed step: seed s draws its noise from the stream starting at (s + 1) * GOLDEN.
 GOLDEN = 0x9E3779B97F4A7C15
+#: splitmix64's finalizer multipliers: the noise of flat index i is the finalizer of key + i.
+MIX1 = 0xBF58476D1CE4E5B9
+MIX2 = 0x94D049BB133111EB
 _MASK64 = (1 << 64) - 1
-_STATUS_NONFINITE = 1
-_STATUS_NEGATIVE = 2
+#: Bits of the ``status`` arrays the backends return (``cuda/saved_activation.cu`` mirrors them).
+STATUS_NONFINITE = 1
+STATUS_NEGATIVE = 2
 
 
 def _format(format) -> str:
@@ -161,9 +165,9 @@ class PackedActivation(Saved):
 
 def _raise_status(status, kind):
     flags = int(status.max()) if status.size else 0
-    if flags & _STATUS_NONFINITE:
+    if flags & STATUS_NONFINITE:
         raise ValueError("x must be finite, got non-finite values")
-    if flags & _STATUS_NEGATIVE:
+    if flags & STATUS_NEGATIVE:
         raise ValueError(f"x must be non-negative for kind={kind!r} (a post-ReLU tensor), "
                          "got negative values")
 
@@ -205,8 +209,8 @@ def pack_activation(x, format, *, kind="values", group_size=256, rounding="neare
         if x.size:
             # min and max carry any NaN or inf: two read-only reductions, no boolean temporaries.
             lo, hi = float(x.min()), float(x.max())
-            flags = 0 if math.isfinite(lo) and math.isfinite(hi) else _STATUS_NONFINITE
-            _raise_status(np.array([flags | (_STATUS_NEGATIVE if nonneg and lo < 0 else 0)]),
+            flags = 0 if math.isfinite(lo) and math.isfinite(hi) else STATUS_NONFINITE
+            _raise_status(np.array([flags | (STATUS_NEGATIVE if nonneg and lo < 0 else 0)]),
                           kind)
         return PackedActivation(*meta, data=x.astype(np.float32, copy=False))
     _, impl = _dispatch.resolve("saved_activation", x)
@@ -279,17 +283,8 @@ def pack_mask(mask) -> PackedMask:
     return PackedMask(mask.shape, pack_bits(flat, 1))
 
 
-def _config(saved) -> SavedConfig:
-    if isinstance(saved, SavedConfig):
-        return saved
-    if isinstance(saved, str):
-        return SavedConfig(format=saved)
-    raise TypeError(f"saved must be None, a format string or a lowbit.SavedConfig, got "
-                    f"{type(saved).__name__}")
-
-
 def save_activation(x, saved, kind="values") -> Saved:
-    """Pack ``x`` by the policy ``saved`` (the body of ``lowbit._ctx.save`` for ``saved`` not None).
+    """Pack ``x`` by the policy ``saved`` (the body of ``save`` for ``saved`` not None).
 
     Args:
         x: the array to keep; a boolean array when ``kind="mask"``.
@@ -297,7 +292,7 @@ def save_activation(x, saved, kind="values") -> Saved:
         kind: ``"values"``, ``"nonneg"`` or ``"mask"`` (booleans, packed at 1 bit whatever the
             format). Under the ``"sparse"`` policy, ``"values"`` tensors are saved at int8.
     """
-    config = _config(saved)
+    config = saved_policy(saved)
     if kind == "mask":
         return pack_mask(x)
     if config.format == "sparse" and kind == "values":
@@ -306,3 +301,42 @@ def save_activation(x, saved, kind="values") -> Saved:
         config = dataclasses.replace(config, format="int8")
     return pack_activation(x, config.format, kind=kind, group_size=config.group_size,
                            rounding=config.rounding, seed=config.seed)
+
+
+def saved_policy(saved):
+    """Parse an op's ``saved=`` argument, before any kernel runs: ``None`` or a ``SavedConfig``.
+
+    Every ``*_forward`` calls this first, so a bad policy raises here, naming ``saved``.
+
+    Raises:
+        TypeError: ``saved`` is neither None, a format string nor a ``SavedConfig``.
+        ValueError: an unknown format string.
+    """
+    if saved is None or isinstance(saved, SavedConfig):
+        return saved
+    if isinstance(saved, str):
+        if saved not in FORMATS:
+            raise ValueError(f"saved must be None, one of {FORMATS} or a lowbit.SavedConfig, "
+                             f"got {saved!r}")
+        return SavedConfig(format=saved)
+    raise TypeError(f"saved must be None, a format string or a lowbit.SavedConfig, got "
+                    f"{type(saved).__name__}")
+
+
+def save(x, saved=None, *, kind: str = "values") -> Saved:
+    """The one choke point through which every op stores a tensor in its ctx.
+
+    Args:
+        x: the array to keep for the backward.
+        saved: ``None`` (exact), a format string or a ``lowbit.SavedConfig`` (as parsed by
+            ``saved_policy``).
+        kind: ``"values"`` (any sign), ``"nonneg"`` (post-ReLU; the zero pattern stays exact) or
+            ``"mask"`` (a boolean array, packed at 1 bit per element whatever the format).
+
+    Returns:
+        ``lowbit._ctx.Exact`` for ``saved=None``, else a ``PackedActivation`` (``PackedMask`` for
+        masks).
+    """
+    if saved is None:
+        return Exact(x)
+    return save_activation(x, saved, kind=kind)

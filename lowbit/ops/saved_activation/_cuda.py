@@ -1,6 +1,6 @@
 """Launchers for ``cuda/saved_activation.cu`` (backends cuda and cudasim).
 
-Siblings: ``_numpy.py``, ``_numba.py``; reference ``reference/saved_activation.py``. The sparse
+Siblings: ``_numpy.py``, ``_numba/``; reference ``reference/saved_activation.py``. The sparse
 format takes a prefix sum of per-chunk nonzero counts between kernels (``xp.cumsum``) and reads
 the nonzero count back to size its outputs.
 """
@@ -10,11 +10,14 @@ import math
 import numpy as np
 
 from ... import _backend, _kernels
+from . import FORMAT_BITS
 
 SOURCE = "saved_activation.cu"
+#: Bits per code of the grouped formats, each a template instantiation: (2, 4, 8).
+_BITS = tuple(sorted(FORMAT_BITS.values()))
 NAME_EXPRESSIONS = (
-    tuple(f"pack_dense<{t}, {bits}>" for t in _kernels.CTYPE.values() for bits in (2, 4, 8))
-    + tuple(f"unpack_dense<{bits}>" for bits in (2, 4, 8))
+    tuple(f"pack_dense<{t}, {bits}>" for t in _kernels.CTYPE.values() for bits in _BITS)
+    + tuple(f"unpack_dense<{bits}>" for bits in _BITS)
     + tuple(f"sparse_count<{t}>" for t in _kernels.CTYPE.values())
     + tuple(f"sparse_gather<{t}>" for t in _kernels.CTYPE.values())
     + ("sparse_quantize", "sparse_popcount", "sparse_scatter")
@@ -25,6 +28,8 @@ THREADS = 256
 MIN_THREADS = 32
 #: Grid-stride loops cover the rest; enough blocks to fill any current GPU.
 MAX_BLOCKS = 8192
+#: The constants of the .cu file this launcher mirrors (tests/test_launch_constants.py).
+CU_CONSTANTS = {"kWarpSize": MIN_THREADS}
 
 
 def _kernel(name, like):

@@ -1,22 +1,26 @@
 """Vectorized saved-activation packing (array-generic: numpy or cupy).
 
-Siblings: ``_numba.py``, ``_cuda.py`` (``cuda/saved_activation.cu``); reference
+Siblings: ``_numba/``, ``_cuda.py`` (``cuda/saved_activation.cu``); reference
 ``reference/saved_activation.py``. Every function takes the arrays ``__init__`` prepared and
-returns fresh arrays; value checks come back as a small ``status`` array (bit 1: a non-finite
-value, bit 2: a negative value where ``nonneg``), which ``__init__`` turns into errors.
+returns fresh arrays; value checks come back as a small ``status`` array (``STATUS_NONFINITE``: a
+non-finite value, ``STATUS_NEGATIVE``: a negative value where ``nonneg``; defined in
+``__init__``), which ``__init__`` turns into errors.
 """
 
 import numpy as np
 
 from ... import _backend
 from ..pack_bits import _numpy as _bitpack
+from ..quantize import EPS as _EPS
+from . import MIX1 as _MIX1
+from . import MIX2 as _MIX2
+from . import STATUS_NEGATIVE, STATUS_NONFINITE
 
-EPS = np.float32(1e-5)
-#: splitmix64 finalizer multipliers (the seed step lives in ``__init__.noise_key``).
-MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-MIX2 = np.uint64(0x94D049BB133111EB)
-STATUS_NONFINITE = 1
-STATUS_NEGATIVE = 2
+#: The scale floor (``lowbit.ops.quantize.EPS``) in float32.
+EPS = np.float32(_EPS)
+#: splitmix64 finalizer multipliers (``__init__``; the seed step lives in ``noise_key``).
+MIX1 = np.uint64(_MIX1)
+MIX2 = np.uint64(_MIX2)
 
 
 def noise(index, key):
@@ -81,7 +85,7 @@ def pack_dense(x, bits, nonneg, group_size, stochastic, key):
     index = xp.arange(rows * groups * group_size, dtype=np.uint64).reshape(g.shape)
     index = index - (xp.arange(rows, dtype=np.uint64) * np.uint64(pad))[:, None, None]
     q = _codes(g, lo[..., None], scales[..., None], levels, nonneg, stochastic, index, key)
-    codes = _bitpack.pack_bits(xp.ascontiguousarray(q.reshape(rows, -1)[:, :n]), bits)
+    codes = _bitpack.pack(xp.ascontiguousarray(q.reshape(rows, -1)[:, :n]), bits)
     mins = None
     if not nonneg:
         mins = _backend.empty((rows, groups), np.float32, xp)
@@ -93,7 +97,7 @@ def unpack_dense(codes, scales, mins, bits, n, group_size):
     """Inverse of ``pack_dense``: [rows, n] float32 (``mins`` None means nonneg)."""
     xp = _backend.array_module(codes)
     rows = codes.shape[0]
-    q = _bitpack.unpack_bits(codes, bits, n).astype(np.float32)
+    q = _bitpack.unpack(codes, bits, n).astype(np.float32)
     group = xp.arange(n) // group_size
     out = _backend.empty((rows, n), np.float32, xp)
     out[...] = q * scales[:, group]
@@ -118,7 +122,7 @@ def pack_sparse(flat, group_size, stochastic, key):
     status[...] = _status(flat, True, axis=None)
     v = flat.astype(np.float32, copy=False)
     nonzero = v != 0
-    mask = _bitpack.pack_bits(nonzero.astype(np.uint8).reshape(1, -1), 1).reshape(-1)
+    mask = _bitpack.pack(nonzero.astype(np.uint8).reshape(1, -1), 1).reshape(-1)
     index = xp.flatnonzero(nonzero)
     values = v[index]
     nnz = values.size
@@ -137,7 +141,7 @@ def pack_sparse(flat, group_size, stochastic, key):
 def unpack_sparse(mask, codes, scales, size, group_size):
     """Inverse of ``pack_sparse``: [size] float32."""
     xp = _backend.array_module(mask)
-    nonzero = _bitpack.unpack_bits(mask.reshape(1, -1), 1, size).reshape(-1).view(np.bool_)
+    nonzero = _bitpack.unpack(mask.reshape(1, -1), 1, size).reshape(-1).view(np.bool_)
     out = _backend.empty((size,), np.float32, xp)
     out.fill(0)
     group = xp.arange(codes.size) // group_size

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 
 import numpy as np
 
 from ... import _backend, _ctx, _dispatch, _validate
+from ..saved_activation import save, saved_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,51 +42,6 @@ class SegmentedAttentionCtx(_ctx.Ctx):
     offsets: np.ndarray
     scale: float
     causal: bool
-
-
-def _offsets(lengths, tokens: int) -> np.ndarray:
-    """Validate ``lengths`` and return the int64 prefix table ``[0, l0, l0 + l1, ..., T]``."""
-    if _backend.is_cupy_array(lengths):
-        raise TypeError("lengths must be a host sequence or numpy array, got a cupy array; "
-                        "pass lengths.get() (segment bounds are needed on the host)")
-    if isinstance(lengths, (str, bytes)):
-        raise TypeError(f"lengths must be a 1-D sequence of integers, got {type(lengths).__name__}")
-    if not isinstance(lengths, np.ndarray) and any(
-            isinstance(x, (bool, np.bool_)) for x in np.ravel(np.asarray(lengths, dtype=object))):
-        raise TypeError("lengths must hold integers, got a bool entry")
-    try:
-        arr = np.asarray(lengths)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"lengths must be a 1-D sequence of integers: {exc}") from None
-    if arr.ndim != 1:
-        raise ValueError(f"lengths must be 1-D, got shape {arr.shape}")
-    if arr.size == 0:
-        raise ValueError("lengths must be non-empty, got 0 segments")
-    if arr.dtype == object:
-        values = list(arr)
-        if not all(isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
-                   for x in values):
-            raise TypeError("lengths must hold integers, got non-integer entries")
-    elif arr.dtype.kind not in "iu":  # bool arrays too: a mask is not a list of lengths
-        raise TypeError(f"lengths must hold integers, got dtype {arr.dtype}")
-    else:
-        values = arr.tolist()
-    # Python integers: the running total cannot wrap, whatever the caller's integer width.
-    total = 0
-    offsets = [0]
-    for i, length in enumerate(values):
-        length = int(length)
-        if length < 1:
-            raise ValueError(f"lengths must all be positive, got lengths[{i}] = {length}")
-        total += length
-        if total > tokens:
-            raise ValueError(
-                f"lengths must sum to the token count {tokens}; the running total passes it at "
-                f"lengths[{i}] ({total})")
-        offsets.append(total)
-    if total != tokens:
-        raise ValueError(f"lengths must sum to the token count {tokens}, got {total}")
-    return np.asarray(offsets, dtype=np.int64)
 
 
 def _check_inputs(q, k, v, lengths, scale, causal):
@@ -114,7 +69,7 @@ def _check_inputs(q, k, v, lengths, scale, causal):
         raise ValueError(f"k head count {k.shape[1]} must divide the q head count {heads}")
     if k.shape[2] != dim:
         raise ValueError(f"k must have the key dimension of q ({dim}), got {k.shape[2]}")
-    offsets = _offsets(lengths, tokens)
+    offsets = _validate.offsets(lengths, tokens)
     if scale is None:
         scale = 1.0 / math.sqrt(dim)
     else:
@@ -153,16 +108,17 @@ def segmented_attention_forward(q, k, v, lengths, scale=None, causal=False, *, s
             type, non-bool ``causal``.
         ValueError: bad ranks or shapes, bad ``lengths`` values, non-positive ``scale``.
     """
+    saved = saved_policy(saved)  # first: a bad policy raises before any kernel
     q, k, v, offsets, scale, causal = _check_inputs(q, k, v, lengths, scale, causal)
     xp = _backend.array_module(q)
     _, impl = _dispatch.resolve("segmented_attention", q, k, v)
     q, k, v = _contiguous(xp, q, k, v)
     out, lse = impl.forward(q, k, v, offsets, scale, causal)
     ctx = SegmentedAttentionCtx(
-        q=_ctx.save(q, saved), k=_ctx.save(k, saved), v=_ctx.save(v, saved),
+        q=save(q, saved), k=save(k, saved), v=save(v, saved),
         # The logsumexp stays exact whatever the policy: the backward exponentiates against it,
         # so a quantization step would scale every recomputed probability.
-        out=_ctx.save(out, saved), lse=_ctx.save(lse, None), offsets=offsets, scale=scale,
+        out=save(out, saved), lse=save(lse, None), offsets=offsets, scale=scale,
         causal=causal)
     return out, ctx
 
@@ -196,8 +152,7 @@ def segmented_attention_backward(dout, ctx):
         raise TypeError(f"ctx must be a SegmentedAttentionCtx, got {type(ctx).__name__}")
     dout = _validate.as_array(dout, "dout")
     q, k, v, out, lse = (s.unpack() for s in (ctx.q, ctx.k, ctx.v, ctx.out, ctx.lse))
-    if tuple(dout.shape) != tuple(out.shape):
-        raise ValueError(f"dout must have the output shape {tuple(out.shape)}, got {dout.shape}")
+    _validate.shape(dout, out.shape, "dout", "the forward output's")
     if dout.dtype != q.dtype:
         raise TypeError(f"dout must have dtype {q.dtype}, got {dout.dtype}")
     xp = _backend.array_module(dout, q)

@@ -12,26 +12,29 @@ import numpy as np
 from ... import _backend, _kernels
 
 SOURCE = "segmented_attention.cu"
-#: Feature elements each lane holds in registers: D and Dv up to 32 * CHUNK.
+#: Feature elements each lane holds in registers: D and Dv up to WARP_SIZE * CHUNK.
 CHUNKS = (1, 2, 4)
 NAME_EXPRESSIONS = tuple(
     f"segmented_attention_{kind}<{ctype}, {chunk}>"
     for kind in ("fwd", "bwd_dq", "bwd_dkdv") for ctype in _kernels.CTYPE.values()
     for chunk in CHUNKS
 ) + tuple(f"segmented_attention_bwd_delta<{ctype}>" for ctype in _kernels.CTYPE.values())
-# Mirrors of the constants in segmented_attention.cu.
+WARP_SIZE = 32
 THREADS = 128
 BLOCK_ROWS = 8
 TILE = 16
+#: The constants of the .cu file this launcher mirrors (tests/test_launch_constants.py).
+CU_CONSTANTS = {"kWarpSize": WARP_SIZE, "kThreads": THREADS, "kBlockRows": BLOCK_ROWS,
+                "kTile": TILE}
 #: Grid-stride loops cover the rest of the delta rows.
 MAX_DELTA_BLOCKS = 4096
-MAX_DIM = 32 * CHUNKS[-1]
+MAX_DIM = WARP_SIZE * CHUNKS[-1]
 
 
 def _chunk(dim, dim_v):
     need = max(dim, dim_v)
     for chunk in CHUNKS:
-        if need <= 32 * chunk:
+        if need <= WARP_SIZE * chunk:
             return chunk
     raise ValueError(f"the cuda and cudasim backends support head dimensions up to {MAX_DIM}, "
                      f"got D={dim}, Dv={dim_v} (q, k, v); use the numba or numpy backend")
@@ -79,7 +82,7 @@ def backward(dout, q, k, v, out, lse, offsets, scale, causal):
     dtype = q.dtype.type
     offs, prefix, blocks = _tables(offsets, xp)
     delta = _backend.empty((heads, tokens), q.dtype, xp)
-    warps_per_block = THREADS // 32
+    warps_per_block = THREADS // WARP_SIZE
     _function("bwd_delta", q, q.dtype)(
         (max(1, min(MAX_DELTA_BLOCKS, -(-tokens * heads // warps_per_block))),), (THREADS,),
         (dout, out, delta, np.int64(tokens), np.int64(heads), np.int64(dim_v)))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from ... import _backend, _ctx, _dispatch, _validate
+from ..saved_activation import save, saved_policy
 
 _OP = "selective_scan"
 
@@ -49,10 +50,6 @@ class SelectiveScanCtx(_ctx.Ctx):
     has_initial_state: bool
 
 
-def _shape_error(name, expected, got):
-    return ValueError(f"{name} must have shape {expected}, got {tuple(got)}")
-
-
 def _prepare(x, B, C, dt, dt_bias, A_log, D, initial_state, dt_floor, chunk_size):
     """Validate every argument (before any kernel runs); return contiguous working arrays."""
     x = _validate.floating(_validate.as_array(x, "x"), "x")
@@ -75,18 +72,15 @@ def _prepare(x, B, C, dt, dt_bias, A_log, D, initial_state, dt_floor, chunk_size
         raise ValueError(f"x must have rank 4 [Bt, T, H, P], got shape {x.shape}")
     nb, nt, nh, npp = x.shape
     if B.ndim != 4 or B.shape[:3] != (nb, nt, nh):
-        raise _shape_error("B", (nb, nt, nh, "N"), B.shape)
+        raise _validate.shape_error("B", (nb, nt, nh, "N"), B.shape)
     nn = B.shape[3]
     if C.shape != B.shape:
-        raise _shape_error("C", (nb, nt, nh, nn), C.shape)
-    if dt.shape != (nb, nt, nh):
-        raise _shape_error("dt", (nb, nt, nh), dt.shape)
+        raise _validate.shape_error("C", (nb, nt, nh, nn), C.shape)
+    _validate.shape(dt, (nb, nt, nh), "dt")
     for name in ("dt_bias", "A_log", "D"):
-        if arrays[name].shape != (nh,):
-            raise _shape_error(name, (nh,), arrays[name].shape)
+        _validate.shape(arrays[name], (nh,), name)
     if initial_state is not None:
-        if initial_state.shape != (nb, nh, npp, nn):
-            raise _shape_error("initial_state", (nb, nh, npp, nn), initial_state.shape)
+        _validate.shape(initial_state, (nb, nh, npp, nn), "initial_state")
         _validate.all_finite(initial_state, "initial_state")
     xp = _backend.array_module(x)
     work = [xp.ascontiguousarray(arrays[name])
@@ -118,7 +112,7 @@ def selective_scan(x, B, C, dt, dt_bias, A_log, D, initial_state=None, dt_floor=
     work, state, dt_floor, _ = _prepare(x, B, C, dt, dt_bias, A_log, D, initial_state, dt_floor,
                                         1)
     _, impl = _dispatch.resolve(_OP, *work)
-    out, final, _ = impl.selective_scan_forward(*work, state, dt_floor, 1, False)
+    out, final, _ = impl.forward(*work, state, dt_floor, 1, False)
     return out, final
 
 
@@ -133,14 +127,15 @@ def selective_scan_forward(x, B, C, dt, dt_bias, A_log, D, initial_state=None, d
     Returns:
         out [Bt, T, H, P], state [Bt, H, P, N], ctx (``SelectiveScanCtx``).
     """
+    saved = saved_policy(saved)  # first: a bad policy raises before any kernel
     work, state, dt_floor, chunk_size = _prepare(x, B, C, dt, dt_bias, A_log, D, initial_state,
                                                  dt_floor, chunk_size)
     _, impl = _dispatch.resolve(_OP, *work)
-    out, final, checkpoints = impl.selective_scan_forward(*work, state, dt_floor, chunk_size, True)
+    out, final, checkpoints = impl.forward(*work, state, dt_floor, chunk_size, True)
     ctx = SelectiveScanCtx(
-        *(_ctx.save(a, saved) for a in work[:4]),
+        *(save(a, saved) for a in work[:4]),
         *work[4:],
-        checkpoints=_ctx.save(checkpoints, None),
+        checkpoints=save(checkpoints, None),
         dt_floor=dt_floor,
         chunk_size=chunk_size,
         has_initial_state=initial_state is not None,
@@ -167,18 +162,16 @@ def selective_scan_backward(dout, dstate, ctx):
     nb, nt, nh, npp = x.shape
     nn = B.shape[3]
     dout = _validate.floating(_validate.as_array(dout, "dout"), "dout")
-    if dout.shape != (nb, nt, nh, npp):
-        raise _shape_error("dout", (nb, nt, nh, npp), dout.shape)
+    _validate.shape(dout, (nb, nt, nh, npp), "dout")
     if dstate is not None:
         dstate = _validate.floating(_validate.as_array(dstate, "dstate"), "dstate")
-        if dstate.shape != (nb, nh, npp, nn):
-            raise _shape_error("dstate", (nb, nh, npp, nn), dstate.shape)
+        _validate.shape(dstate, (nb, nh, npp, nn), "dstate")
     _backend.array_kind(x, dout, dstate)
     xp = _backend.array_module(x)
     dout = xp.ascontiguousarray(dout, dtype=x.dtype)
     dstate = (xp.zeros((nb, nh, npp, nn), x.dtype) if dstate is None
               else xp.ascontiguousarray(dstate, dtype=x.dtype))
     _, impl = _dispatch.resolve(_OP, x, dout)
-    grads = impl.selective_scan_backward(x, B, C, dt, ctx.dt_bias, ctx.A_log, ctx.D, checkpoints,
-                                         dout, dstate, ctx.dt_floor, ctx.chunk_size)
+    grads = impl.backward(dout, dstate, x, B, C, dt, ctx.dt_bias, ctx.A_log, ctx.D, checkpoints,
+                          ctx.dt_floor, ctx.chunk_size)
     return (*grads[:7], grads[7] if ctx.has_initial_state else None)

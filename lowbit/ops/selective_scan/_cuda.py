@@ -12,8 +12,10 @@ from ... import _backend, _kernels
 SOURCE = "selective_scan.cu"
 NAME_EXPRESSIONS = tuple(f"selective_{kind}<{ctype}>" for kind in ("fwd", "bwd")
                          for ctype in ("float", "double"))
-#: Lanes per block (one warp); must match kLanes in the kernel.
+#: Lanes per block (one warp).
 LANES = 32
+#: The constants of the .cu file this launcher mirrors (tests/test_launch_constants.py).
+CU_CONSTANTS = {"kLanes": LANES}
 
 
 def _kernel(name, like):
@@ -25,9 +27,9 @@ def _rows_per_lane(npp):
     return -(-npp // LANES)
 
 
-def selective_scan_forward(x, B, C, dt, dt_bias, A_log, D, initial_state, dt_floor, chunk_size,
-                           keep_checkpoints):
-    """Same contract as ``_numpy.selective_scan_forward``."""
+def forward(x, B, C, dt, dt_bias, A_log, D, initial_state, dt_floor, chunk_size,
+            keep_checkpoints):
+    """Same contract as ``_numpy.forward``."""
     xp = _backend.array_module(x)
     nb, nt, nh, npp = x.shape
     nn = B.shape[3]
@@ -47,9 +49,8 @@ def selective_scan_forward(x, B, C, dt, dt_bias, A_log, D, initial_state, dt_flo
     return out, final, (checkpoints if keep_checkpoints else None)
 
 
-def selective_scan_backward(x, B, C, dt, dt_bias, A_log, D, checkpoints, dout, dstate, dt_floor,
-                            chunk_size):
-    """Same contract as ``_numpy.selective_scan_backward``."""
+def backward(dout, dstate, x, B, C, dt, dt_bias, A_log, D, checkpoints, dt_floor, chunk_size):
+    """Same contract as ``_numpy.backward``."""
     xp = _backend.array_module(x)
     nb, nt, nh, npp = x.shape
     nn = B.shape[3]

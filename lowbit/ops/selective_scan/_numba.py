@@ -160,9 +160,9 @@ def _backward(x, B, C, dt, dt_bias, A_log, D, checkpoints, dout, dstate, dt_floo
         dD[b, h] = d_acc
 
 
-def selective_scan_forward(x, B, C, dt, dt_bias, A_log, D, initial_state, dt_floor, chunk_size,
-                           keep_checkpoints):
-    """Same contract as ``_numpy.selective_scan_forward``."""
+def forward(x, B, C, dt, dt_bias, A_log, D, initial_state, dt_floor, chunk_size,
+            keep_checkpoints):
+    """Same contract as ``_numpy.forward``."""
     nb, nt, nh, npp = x.shape
     nn = B.shape[3]
     out = _backend.empty(x.shape, x.dtype)
@@ -174,9 +174,8 @@ def selective_scan_forward(x, B, C, dt, dt_bias, A_log, D, initial_state, dt_flo
     return out, final, (checkpoints if keep_checkpoints else None)
 
 
-def selective_scan_backward(x, B, C, dt, dt_bias, A_log, D, checkpoints, dout, dstate, dt_floor,
-                            chunk_size):
-    """Same contract as ``_numpy.selective_scan_backward``."""
+def backward(dout, dstate, x, B, C, dt, dt_bias, A_log, D, checkpoints, dt_floor, chunk_size):
+    """Same contract as ``_numpy.backward``."""
     nb, nt, nh, npp = x.shape
     nn = B.shape[3]
     dx = _backend.empty(x.shape, x.dtype)

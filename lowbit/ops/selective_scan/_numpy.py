@@ -22,8 +22,8 @@ def _steps(xp, dt, dt_bias, A_log, dt_floor):
     return z, soft, delta, a
 
 
-def selective_scan_forward(x, B, C, dt, dt_bias, A_log, D, initial_state, dt_floor, chunk_size,
-                           keep_checkpoints):
+def forward(x, B, C, dt, dt_bias, A_log, D, initial_state, dt_floor, chunk_size,
+            keep_checkpoints):
     """Run the recurrence.
 
     Args:
@@ -54,12 +54,11 @@ def selective_scan_forward(x, B, C, dt, dt_bias, A_log, D, initial_state, dt_flo
     return out, s, checkpoints
 
 
-def selective_scan_backward(x, B, C, dt, dt_bias, A_log, D, checkpoints, dout, dstate, dt_floor,
-                            chunk_size):
+def backward(dout, dstate, x, B, C, dt, dt_bias, A_log, D, checkpoints, dt_floor, chunk_size):
     """Gradients, sweeping the chunks in reverse and recomputing states from the checkpoints.
 
     Args:
-        as ``selective_scan_forward``; checkpoints: its [Bt, H, C, P, N]; dout: [Bt, T, H, P];
+        as ``forward``; checkpoints: its [Bt, H, C, P, N]; dout: [Bt, T, H, P];
         dstate: [Bt, H, P, N].
 
     Returns:
