@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -32,6 +34,15 @@ class Config:
     backend: str | None = None
     repeats: int = 7
     min_time_s: float = 0.2
+
+
+def xp(config: Config):
+    """The array module of a run: cupy with ``config.gpu``, else numpy."""
+    if config.gpu:
+        import cupy
+
+        return cupy
+    return np
 
 
 @dataclasses.dataclass

@@ -1,4 +1,5 @@
-"""Suite ``lowrank_residual``: the BDH policy table, the default job of ``python -m bench``.
+"""Suite ``lowrank_residual``: the BDH layer's saved-activation policy table (``python -m bench
+lowrank_residual``; the main job trains the whole model instead, ``bench/train.py``).
 
 The model BDH trains: one low-rank residual layer applied 4 times with shared weights
 (B = 2, T = 256, D = 256, H = 4, N = 1024; ternary weights and int8 activations on every
@@ -29,6 +30,7 @@ import numpy as np
 import lowbit
 from lowbit.reference.lowrank_residual import lowrank_residual_bwd_ref, lowrank_residual_ref
 
+from . import _harness
 from ._harness import Case, Config
 
 POLICIES = ("fp32", "int8", "int4", "int2", "sparse")
@@ -49,13 +51,6 @@ def shape(config: Config) -> dict:
         return dict(B=1, T=64, D=64, H=2, N=256)
     return dict(B=2, T=256, D=256, H=4, N=1024)
 
-
-def _xp(config):
-    if config.gpu:
-        import cupy
-
-        return cupy
-    return np
 
 
 def _host(x):
@@ -95,7 +90,7 @@ def _check_small(config):
     """The quantized layer against the float64 reference on a small shape (before any timing)."""
     rng = np.random.default_rng(1)
     B, T, D, H, N = 1, 16, 16, 2, 32
-    xp = _xp(config)
+    xp = _harness.xp(config)
     current = rng.standard_normal((B, T, D)).astype(np.float32)
     encoder = (rng.standard_normal((H, D, N)) / np.sqrt(D)).astype(np.float32)
     encoder_v = (rng.standard_normal((H, D, N)) / np.sqrt(D)).astype(np.float32)
@@ -122,7 +117,7 @@ def run_step(inputs, saved, plan, threshold, config):
     peak bytes, seconds, the densities of x_neuron and y_gate.
     """
     current, encoder, encoder_v, decoder, dnext = inputs
-    xp = _xp(config)
+    xp = _harness.xp(config)
     # Gradient buffers are parameter-sized training state, allocated once like the weights
     # (not per step); the step zeroes them and accumulates into them.
     grads = tuple(xp.empty(w.shape, np.float32) for w in (encoder, encoder_v, decoder))
@@ -155,7 +150,7 @@ def _warm_up(plan, config):
     that the kernels take the same multi-threaded paths as the measured step."""
     rng = np.random.default_rng(2)
     B, T, D, H, N = 1, 256, 32, 2, 1024
-    xp = _xp(config)
+    xp = _harness.xp(config)
     inputs = tuple(xp.asarray(rng.standard_normal(s).astype(np.float32))
                    for s in ((B, T, D), (H, D, N), (H, D, N), (H * N, D), (B, T, D)))
     for policy in POLICIES:
@@ -174,7 +169,7 @@ def policy_table(config: Config, progress=print) -> tuple[list[dict], dict]:
     """Run the step under every policy; returns (rows, run facts)."""
     dims = shape(config)
     B, T, D, H, N = (dims[k] for k in "BTDHN")
-    xp = _xp(config)
+    xp = _harness.xp(config)
     rng = np.random.default_rng(0)
     inputs = tuple(xp.asarray(a) for a in (
         rng.standard_normal((B, T, D)).astype(np.float32),
@@ -238,7 +233,7 @@ def cases(config: Config):
         if not state:
             dims = shape(config)
             B, T, D, H, N = (dims[k] for k in "BTDHN")
-            xp = _xp(config)
+            xp = _harness.xp(config)
             rng = np.random.default_rng(0)
             state["inputs"] = tuple(xp.asarray(a) for a in (
                 rng.standard_normal((B, T, D)).astype(np.float32),

@@ -10,19 +10,13 @@ import numpy as np
 import lowbit
 from lowbit.reference.pack_bits import pack_bits_ref
 
+from . import _harness
 from ._harness import Case, Config
 
 
-def _xp(config):
-    if config.gpu:
-        import cupy
-
-        return cupy
-    return np
-
 
 def cases(config: Config):
-    xp = _xp(config)
+    xp = _harness.xp(config)
     n = 1 << (20 if config.quick else 24)
     rng = np.random.default_rng(0)
     backend = config.backend or ("cuda" if config.gpu else None)

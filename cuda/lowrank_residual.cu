@@ -1,6 +1,7 @@
 // BDH low-rank residual layer: strictly causal linear attention with rotary positions (forward
-// and backward) and row layer norms. Launchers: lowbit/ops/lowrank_residual/_cuda.py;
-// reference: reference/lowrank_residual.py; tests: tests/test_lowrank_residual.py.
+// and backward); its layer norms are cuda/layer_norm.cu's. Launchers:
+// lowbit/ops/lowrank_residual/_cuda.py; reference: reference/lowrank_residual.py; tests:
+// tests/test_lowrank_residual.py.
 //
 // Attention: Q = rope(x) on pairs (2j, 2j+1) of the N axis, a[t] = sum_{s < t, same segment}
 // (Q_t . Q_s) v[s]. One block per (token, batch row); scores are computed kTile keys at a time
@@ -11,8 +12,7 @@
 
 namespace {
 
-constexpr int kTile = 32;        // keys whose scores sit in shared memory at once
-constexpr float kLnEps = 1e-5f;  // layer-norm epsilon on the biased variance
+constexpr int kTile = 32;  // keys whose scores sit in shared memory at once
 
 // Dot product of the rotated row x_s (token s, rotation tables row s) with a rotated vector q
 // held in shared memory, reduced over the warp; every lane of the warp must call it.
@@ -167,51 +167,4 @@ __global__ void causal_linear_bwd(const float* __restrict__ da,         // [B, T
     }
     rotate_into(dq, cos_t + i * half, sin_t + i * half, dx + (b * T + i) * N, half, N, -1.f);
     for (int64_t d = threadIdx.x; d < D; d += blockDim.x) dv[(b * T + i) * D + d] = dvacc[d];
-}
-
-// One warp per row (blockDim.x / 32 rows per block): y = (x - mean) * rstd over the last axis,
-// biased variance. Rows of a few hundred features need no block-wide reduction.
-__global__ void layer_norm_fwd(const float* __restrict__ x,   // [rows, D]
-                               float* __restrict__ y,         // [rows, D]
-                               float* __restrict__ mean,      // [rows]
-                               float* __restrict__ rstd,      // [rows]
-                               int64_t rows, int64_t D) {
-    const int lane = threadIdx.x % lowbit::kWarpSize;
-    const int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x / lowbit::kWarpSize) +
-                      threadIdx.x / lowbit::kWarpSize;
-    if (r >= rows) return;  // whole warps leave together
-    const float* xr = x + r * D;
-    float s = 0.f;
-    for (int64_t i = lane; i < D; i += lowbit::kWarpSize) s += xr[i];
-    const float m = lowbit::warp_sum(s) / static_cast<float>(D);
-    float q = 0.f;
-    for (int64_t i = lane; i < D; i += lowbit::kWarpSize) q += (xr[i] - m) * (xr[i] - m);
-    const float inv = 1.f / sqrtf(lowbit::warp_sum(q) / static_cast<float>(D) + kLnEps);
-    for (int64_t i = lane; i < D; i += lowbit::kWarpSize) y[r * D + i] = (xr[i] - m) * inv;
-    if (lane == 0) {
-        mean[r] = m;
-        rstd[r] = inv;
-    }
-}
-
-// One warp per row: dx = rstd * (dy - mean(dy) - y * mean(dy * y)).
-__global__ void layer_norm_bwd(const float* __restrict__ dy,    // [rows, D]
-                               const float* __restrict__ y,     // [rows, D]
-                               const float* __restrict__ rstd,  // [rows]
-                               float* __restrict__ dx,          // [rows, D]
-                               int64_t rows, int64_t D) {
-    const int lane = threadIdx.x % lowbit::kWarpSize;
-    const int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x / lowbit::kWarpSize) +
-                      threadIdx.x / lowbit::kWarpSize;
-    if (r >= rows) return;
-    float s1 = 0.f, s2 = 0.f;
-    for (int64_t i = lane; i < D; i += lowbit::kWarpSize) {
-        s1 += dy[r * D + i];
-        s2 += dy[r * D + i] * y[r * D + i];
-    }
-    const float m1 = lowbit::warp_sum(s1) / static_cast<float>(D);
-    const float m2 = lowbit::warp_sum(s2) / static_cast<float>(D);
-    for (int64_t i = lane; i < D; i += lowbit::kWarpSize) {
-        dx[r * D + i] = rstd[r] * (dy[r * D + i] - m1 - y[r * D + i] * m2);
-    }
 }

@@ -35,6 +35,11 @@ _alias_reference()
 from ._ctx import MemoryReport, memory_report
 from ._dispatch import BackendUnavailableError, available_backends, use_backend
 from .ops.pack_bits import pack_bits, unpack_bits
+from .ops.adamw import AdamW
+from .ops.cross_entropy import (CrossEntropyCtx, cross_entropy, cross_entropy_backward,
+                                cross_entropy_forward)
+from .ops.embedding import EmbeddingCtx, embedding, embedding_backward, embedding_forward
+from .ops.layer_norm import LayerNormCtx, layer_norm, layer_norm_backward, layer_norm_forward
 
 # -- formats and matmul (issue 3) --
 from .ops.packed_matmul import LinearCtx, linear_backward, linear_forward, packed_matmul

@@ -17,8 +17,8 @@ def test_setup_cfg_lists_every_op_package():
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
     listed = set(cfg["options"]["packages"].split())
-    # every package under lowbit/ops, nested ones included (lowbit.ops.packed_matmul._numba)
-    ops = {".".join(p.relative_to(ROOT).parts) for p in (ROOT / "lowbit" / "ops").rglob("*")
+    # every package under lowbit/, nested ones included (lowbit.ops.packed_matmul._numba)
+    ops = {".".join(p.relative_to(ROOT).parts) for p in (ROOT / "lowbit").rglob("*")
            if p.is_dir() and (p / "__init__.py").is_file()}
     expected = ops | {"lowbit", "lowbit.ops", "lowbit._cuda_src", "lowbit.reference"}
     assert listed == expected, f"missing {expected - listed}, stale {listed - expected}"

@@ -418,6 +418,8 @@ def _forward_cases(rng):
              f32(H)), {}),
         "lowrank_residual_forward": ((f32(B, T, D), f32(H, D, N), f32(H, D, N), f32(H * N, D)),
                                      {}),
+        "cross_entropy_forward": ((f32(T, V), rng.integers(0, V, size=T)), {}),
+        "layer_norm_forward": ((f32(T, D),), {}),
     }
 
 

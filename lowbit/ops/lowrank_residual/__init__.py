@@ -1,11 +1,11 @@
 """The BDH low-rank residual layer: forward, hand-written backward, low-bit plan, saved policy.
 
 This file holds the API, ``LowBitPlan``, the ctx and validation; the layer's math is in
-``_layer.py``. Backends (only the causal-linear attention and the layer norms are backend
-kernels; the projections are ``packed_matmul``'s straight-through pair): ``_numpy.py``,
-``_numba.py``, ``_cuda.py`` (``cuda/lowrank_residual.cu``). Reference:
+``_layer.py``. Backends (only the causal-linear attention is a kernel of this op; the layer
+norms are ``lowbit.layer_norm``'s, the projections ``packed_matmul``'s straight-through pair):
+``_numpy.py``, ``_numba.py``, ``_cuda.py`` (``cuda/lowrank_residual.cu``). Reference:
 ``reference/lowrank_residual.py``; tests: ``tests/test_lowrank_residual.py``; benchmark:
-``bench/lowrank_residual.py`` (the default run of ``python -m bench``).
+``bench/lowrank_residual.py`` (``python -m bench lowrank_residual``).
 
 Forward, head by head (``LN`` normalizes the last axis, no affine parameters, eps 1e-5)::
 
@@ -230,11 +230,13 @@ def _forward(current, encoder, encoder_v, decoder, attention, lengths, plan, sav
     (current, encoder, encoder_v, decoder, attention, lengths, plan, saved, relu_threshold,
      dropout, seed) = _check(current, encoder, encoder_v, decoder, attention, lengths, plan,
                              saved, relu_threshold, dropout, seed)
-    _, impl = _dispatch.resolve(OP, current, encoder, encoder_v, decoder)
+    name, impl = _dispatch.resolve(OP, current, encoder, encoder_v, decoder)
     f32 = lambda a: a.astype(np.float32, copy=False)  # noqa: E731
     current, encoder, encoder_v, decoder = map(f32, (current, encoder, encoder_v, decoder))
-    out, fields = _layer.forward(impl, current, encoder, encoder_v, decoder, attention, lengths,
-                                 plan, saved, relu_threshold, dropout, seed, keep)
+    # Numba's parallel kernels take the cores between the BLAS calls of the projections.
+    with _backend.single_threaded_blas(name == "numba"):
+        out, fields = _layer.forward(impl, current, encoder, encoder_v, decoder, attention,
+                                     lengths, plan, saved, relu_threshold, dropout, seed, keep)
     if not keep:
         return out, None
     ctx = LowrankResidualCtx(
@@ -268,10 +270,11 @@ def lowrank_residual_backward(dnext, ctx, *, accumulate=None):
     B, T, D, H, N = ctx.shape
     _validate.shape(dnext, (B, T, D), "dnext", "the forward output's")
     _validate.all_finite(dnext, "dnext")
-    _, impl = _dispatch.resolve(OP, dnext, ctx.encoder)
+    name, impl = _dispatch.resolve(OP, dnext, ctx.encoder)
     xp = _backend.array_module(dnext)
     grads = _accumulators(accumulate, (H, D, N), (H * N, D), xp)
-    return _layer.backward(impl, dnext.astype(np.float32, copy=False), ctx, grads)
+    with _backend.single_threaded_blas(name == "numba"):
+        return _layer.backward(impl, dnext.astype(np.float32, copy=False), ctx, grads)
 
 
 def _accumulators(accumulate, enc_shape, dec_shape, xp):

@@ -9,12 +9,10 @@ import numpy as np
 from ... import _backend, _kernels
 
 SOURCE = "lowrank_residual.cu"
-NAME_EXPRESSIONS = ("causal_linear_fwd", "causal_linear_bwd", "layer_norm_fwd", "layer_norm_bwd")
+NAME_EXPRESSIONS = ("causal_linear_fwd", "causal_linear_bwd")
 #: Threads per block (a multiple of the warp size).
 THREADS = 128
 WARP_SIZE = 32
-#: Rows per layer-norm block (one warp each).
-LN_ROWS = THREADS // WARP_SIZE
 #: Keys per shared-memory score tile.
 TILE = 32
 FLOAT_BYTES = 4
@@ -67,31 +65,3 @@ def causal_linear_backward(da, x, v, starts, cos, sin):
         shared_mem=(2 * N + 3 * D + 2 * TILE) * FLOAT_BYTES)
     return dx, dv
 
-
-def layer_norm_forward(x):
-    """x [..., D] float32 -> ``(y, mean, rstd)`` (see ``_numpy``)."""
-    xp = _backend.array_module(x)
-    D = x.shape[-1]
-    rows = x.size // D
-    y = _backend.empty(x.shape, np.float32, xp)
-    mean = _backend.empty(x.shape[:-1], np.float32, xp)
-    rstd = _backend.empty(x.shape[:-1], np.float32, xp)
-    if rows:
-        _kernel("layer_norm_fwd", x)((-(-rows // LN_ROWS),), (THREADS,),
-                                     (xp.ascontiguousarray(x), y, mean, rstd, np.int64(rows),
-                                      np.int64(D)))
-    return y, mean, rstd
-
-
-def layer_norm_backward(dy, y, rstd):
-    """Input gradient [..., D] float32 of LN (see ``_numpy``)."""
-    xp = _backend.array_module(dy)
-    D = dy.shape[-1]
-    rows = dy.size // D
-    dx = _backend.empty(dy.shape, np.float32, xp)
-    if rows:
-        _kernel("layer_norm_bwd", dy)(
-            (-(-rows // LN_ROWS),), (THREADS,),
-            (xp.ascontiguousarray(dy), xp.ascontiguousarray(y), xp.ascontiguousarray(rstd), dx,
-             np.int64(rows), np.int64(D)))
-    return dx

@@ -1,8 +1,9 @@
 """The BDH low-rank residual layer's math: the forward head by head and its hand-written backward.
 
 Siblings: ``__init__.py`` (API, ``LowBitPlan``, the ctx, validation), the backend kernels
-``_numpy.py``, ``_numba.py``, ``_cuda.py`` (causal-linear attention, layer norms); reference
-``reference/lowrank_residual.py``. Every projection is ``packed_matmul``'s straight-through pair
+``_numpy.py``, ``_numba.py``, ``_cuda.py`` (causal-linear attention); reference
+``reference/lowrank_residual.py``. The layer norms are the ``layer_norm`` op's (``normalize``,
+``normalize_backward``). Every projection is ``packed_matmul``'s straight-through pair
 (``straight_through_forward`` / ``straight_through_backward``), the one that ``linear_forward``
 runs, so the layer's backward uses the packed dx kernels too. Array-generic (numpy or cupy).
 """
@@ -15,6 +16,7 @@ import math
 import numpy as np
 
 from ... import _backend, _profile
+from ..layer_norm import normalize, normalize_backward
 from ..packed_matmul import activation_codes, straight_through_backward, straight_through_forward
 from ..quantize import ACT_FORMATS, EPS, quantize_weight, weight_rows
 from ..saved_activation import save
@@ -131,7 +133,7 @@ def forward(impl, current, encoder, encoder_v, decoder, attention, lengths, plan
             else:
                 a = _softmax_attention(x_neuron, current, lengths)
         with stage("norms"):
-            a_hat, a_mean, a_rstd = impl.layer_norm_forward(a)
+            a_hat, a_mean, a_rstd = normalize(a)
         with stage("y projection"):
             y_gate = _project(a_hat, encoder_v[h], packed.get("encoder_v", [None] * H)[h],
                               plan.y[1])
@@ -169,9 +171,9 @@ def forward(impl, current, encoder, encoder_v, decoder, attention, lengths, plan
                     plan.residual[1])
             del flat, rows
     with stage("residual"):
-        m_hat, m_mean, m_rstd = impl.layer_norm_forward(mlp)
+        m_hat, m_mean, m_rstd = normalize(mlp)
         m_hat += current
-        out, o_mean, o_rstd = impl.layer_norm_forward(m_hat)
+        out, o_mean, o_rstd = normalize(m_hat)
         del m_hat
     if not keep:
         return out, None
@@ -226,9 +228,9 @@ def backward(impl, dnext, ctx, grads):
         m_hat = _normalized(ctx.mlp, ctx.mlp_mean, ctx.mlp_rstd)
         r_hat = (current + m_hat - ctx.out_mean.unpack()[..., None]) * ctx.out_rstd.unpack()[
             ..., None]
-        dcurrent = impl.layer_norm_backward(dnext, r_hat, ctx.out_rstd.unpack())
+        dcurrent = normalize_backward(dnext, r_hat, ctx.out_rstd.unpack())
         del r_hat
-        dmlp = impl.layer_norm_backward(dcurrent, m_hat, ctx.mlp_rstd.unpack())
+        dmlp = normalize_backward(dcurrent, m_hat, ctx.mlp_rstd.unpack())
         del m_hat
     with stage("decoder tail"):
         # The decoder's rows of each head as a packed weight of its own, and the per-token scale
@@ -284,7 +286,7 @@ def backward(impl, dnext, ctx, grads):
                 dencoder_v[h] += dw
                 del dy_pre, dw
             with stage("norms"):
-                da = impl.layer_norm_backward(da_hat, a_hat, ctx.attn_rstd[h].unpack()[rows])
+                da = normalize_backward(da_hat, a_hat, ctx.attn_rstd[h].unpack()[rows])
                 del a_hat, da_hat
             with stage("attention"):
                 if ctx.attention == "causal_linear":

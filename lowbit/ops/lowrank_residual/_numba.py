@@ -1,21 +1,17 @@
-"""Numba pieces of the low-rank residual layer: chunked causal-linear attention and layer norms.
+"""Numba pieces of the low-rank residual layer: the chunked causal-linear attention.
 
 The attention walks (batch row, segment) pairs and, inside a segment, chunks of CHUNK tokens with
 BLAS products (``np.dot``) and an ``[N, D]`` state, so nothing of size ``T x T`` is ever
 allocated. Those loops are serial on purpose: the products are BLAS calls that use every core
-themselves, and a ``prange`` around them would oversubscribe the cores. The layer norms are
-serial too (see there). Siblings: ``__init__.py``, ``_numpy.py``, ``_cuda.py``;
-reference ``reference/lowrank_residual.py``.
+themselves, and a ``prange`` around them would oversubscribe the cores. The layer norms are the
+``layer_norm`` op's. Siblings: ``__init__.py``, ``_numpy.py``, ``_cuda.py``; reference
+``reference/lowrank_residual.py``.
 """
 
 import numba
 import numpy as np
 
 from ... import _backend
-from ._numpy import LN_EPS
-
-# The layer-norm kernels freeze LN_EPS, a global of another file, into Numba's cache.
-_backend.numba_cache_guard(__file__)
 
 #: Tokens per chunk (intra-chunk scores are CHUNK x CHUNK). 128 against 64: the BDH bench's
 #: attention (T = 256, N = 1024, D = 256) 1.3x faster forward and backward, T = 1024 1.1x (the
@@ -145,59 +141,3 @@ def causal_linear_backward(da, x, v, starts, cos, sin):
               cos, sin, dx, dv)
     return dx, dv
 
-
-# The layer norms are serial: a few hundred thousand values, run between BLAS calls; a parallel
-# region there waited on OpenBLAS's spinning workers (3-6 ms a call in the BDH step against
-# well under 1 ms serial, measured).
-@numba.njit(cache=True)
-def _ln_forward(x, y, mean, rstd):
-    rows, D = x.shape
-    for r in range(rows):
-        m = 0.0
-        for i in range(D):
-            m += x[r, i]
-        m /= D
-        var = 0.0
-        for i in range(D):
-            d = x[r, i] - m
-            var += d * d
-        inv = 1.0 / np.sqrt(var / D + LN_EPS)
-        for i in range(D):
-            y[r, i] = (x[r, i] - m) * inv
-        mean[r] = m
-        rstd[r] = inv
-
-
-@numba.njit(cache=True)
-def _ln_backward(dy, y, rstd, dx):
-    rows, D = dy.shape
-    for r in range(rows):
-        s1 = 0.0
-        s2 = 0.0
-        for i in range(D):
-            s1 += dy[r, i]
-            s2 += dy[r, i] * y[r, i]
-        s1 /= D
-        s2 /= D
-        for i in range(D):
-            dx[r, i] = rstd[r] * (dy[r, i] - s1 - y[r, i] * s2)
-
-
-def layer_norm_forward(x):
-    """See ``_numpy.layer_norm_forward``: x [..., D] -> (y, mean, rstd) float32."""
-    D = x.shape[-1]
-    y = _backend.empty(x.shape, np.float32)
-    mean = _backend.empty(x.shape[:-1], np.float32)
-    rstd = _backend.empty(x.shape[:-1], np.float32)
-    _ln_forward(np.ascontiguousarray(x).reshape(-1, D), y.reshape(-1, D), mean.reshape(-1),
-                rstd.reshape(-1))
-    return y, mean, rstd
-
-
-def layer_norm_backward(dy, y, rstd):
-    """See ``_numpy.layer_norm_backward``: input gradient [..., D] float32."""
-    D = dy.shape[-1]
-    dx = _backend.empty(dy.shape, np.float32)
-    _ln_backward(np.ascontiguousarray(dy).reshape(-1, D), np.ascontiguousarray(y).reshape(-1, D),
-                 np.ascontiguousarray(rstd).reshape(-1), dx.reshape(-1, D))
-    return dx

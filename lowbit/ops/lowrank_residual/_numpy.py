@@ -1,9 +1,9 @@
 """Vectorized pieces of the low-rank residual layer (array-generic: numpy or cupy).
 
 The causal-linear attention in chunked form (intra-chunk strictly-lower scores, an ``[N, D]``
-state across chunks; nothing of size ``T x T``) and the layer norms. Siblings: ``__init__.py``
-(the layer), ``_numba.py``, ``_cuda.py`` (``cuda/lowrank_residual.cu``); reference
-``reference/lowrank_residual.py``.
+state across chunks; nothing of size ``T x T``). The layer norms are the ``layer_norm`` op's.
+Siblings: ``__init__.py`` (the layer), ``_numba.py``, ``_cuda.py``
+(``cuda/lowrank_residual.cu``); reference ``reference/lowrank_residual.py``.
 """
 
 import numpy as np
@@ -13,8 +13,6 @@ from ... import _backend
 #: Tokens per chunk: the intra-chunk scores are CHUNK x CHUNK; larger chunks trade those for
 #: fewer state updates.
 CHUNK = 64
-#: Layer-norm epsilon (added to the biased variance).
-LN_EPS = 1e-5
 
 
 def rope(x, cos, sin, inverse=False):
@@ -113,31 +111,3 @@ def causal_linear_backward(da, x, v, starts, cos, sin):
                 rstate = update if rstate is None else rstate + update
     return rope(dq, cos, sin, inverse=True), dv
 
-
-def layer_norm_forward(x):
-    """LN over the last axis (no affine, biased variance).
-
-    Args:
-        x: [..., D] float32.
-
-    Returns:
-        ``(y, mean, rstd)``: y [..., D], mean and rstd [...] float32.
-    """
-    xp = _backend.array_module(x)
-    mean = _backend.empty(x.shape[:-1], np.float32, xp)
-    rstd = _backend.empty(x.shape[:-1], np.float32, xp)
-    y = _backend.empty(x.shape, np.float32, xp)
-    mean[...] = x.mean(axis=-1)
-    xp.subtract(x, mean[..., None], out=y)
-    rstd[...] = 1.0 / xp.sqrt((y * y).mean(axis=-1) + np.float32(LN_EPS))
-    y *= rstd[..., None]
-    return y, mean, rstd
-
-
-def layer_norm_backward(dy, y, rstd):
-    """Input gradient of LN from its normalized output ``y`` [..., D] and ``rstd`` [...]."""
-    xp = _backend.array_module(dy)
-    dx = _backend.empty(dy.shape, np.float32, xp)
-    dx[...] = dy - dy.mean(axis=-1, keepdims=True) - y * (dy * y).mean(axis=-1, keepdims=True)
-    dx *= rstd[..., None]
-    return dx

@@ -11,15 +11,12 @@ so results are bitwise deterministic whatever the thread count.
 Work items are sorted by cost and dealt to one slot per thread (``_schedule``): segments of
 very different lengths would otherwise leave threads idle under Numba's static chunking.
 ``np.dot`` runs the products through the BLAS SciPy ships; that BLAS is held at one thread
-during a call (``_single_threaded_blas``) because the items already occupy every core.
+during a call (``lowbit._backend.single_threaded_blas``) because the items already occupy every
+core.
 
 Siblings: ``_numpy.py``, ``_cuda.py``; reference ``reference/segmented_attention.py``.
 """
 
-import contextlib
-import ctypes
-import functools
-import os
 
 import numba
 import numpy as np
@@ -207,51 +204,6 @@ def _schedule(costs, slots):
     return order, bounds
 
 
-@functools.lru_cache(maxsize=None)
-def _blas_thread_controls():
-    """(get, set) ctypes pairs of every OpenBLAS loaded in this process (Linux; else none)."""
-    controls = []
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
-    except OSError:
-        return ()
-    for path in sorted(p for p in paths if os.path.isfile(p)):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for prefix in ("scipy_", ""):
-            for suffix in ("", "64_"):
-                getter = getattr(lib, f"{prefix}openblas_get_num_threads{suffix}", None)
-                setter = getattr(lib, f"{prefix}openblas_set_num_threads{suffix}", None)
-                if getter is not None and setter is not None:
-                    getter.restype = ctypes.c_int
-                    setter.argtypes = (ctypes.c_int,)
-                    controls.append((getter, setter))
-                    break
-            else:
-                continue
-            break
-    return tuple(controls)
-
-
-@contextlib.contextmanager
-def _single_threaded_blas():
-    # SciPy's BLAS (the one np.dot calls from Numba) is loaded once Numba links it.
-    import scipy.linalg.cython_blas  # noqa: F401
-
-    controls = _blas_thread_controls()
-    previous = [getter() for getter, _ in controls]
-    for _, setter in controls:
-        setter(1)
-    try:
-        yield
-    finally:
-        for (_, setter), count in zip(controls, previous):
-            setter(count)
-
-
 def _by_head(x):
     """[T, heads, dim] -> contiguous [heads, T, dim]: key/value blocks become contiguous rows."""
     return np.ascontiguousarray(x.transpose(1, 0, 2))
@@ -278,7 +230,7 @@ def forward(q, k, v, offsets, scale, causal):
     lse = _backend.empty((heads, tokens), q.dtype)
     items, costs = _forward_items(offsets, heads, causal)
     order, slots = _schedule(costs, numba.get_num_threads())
-    with _single_threaded_blas():
+    with _backend.single_threaded_blas():
         _forward(q, _by_head(k), _by_head(v), items, order, slots, q.dtype.type(scale), causal,
                  heads // k.shape[1], out, lse)
     return out, lse
@@ -297,7 +249,7 @@ def backward(dout, q, k, v, out, lse, offsets, scale, causal):
     dq = _backend.empty(q.shape, q.dtype)
     dk_part = np.empty((heads, tokens, dim), q.dtype)
     dv_part = np.empty((heads, tokens, dv_dim), q.dtype)
-    with _single_threaded_blas():
+    with _backend.single_threaded_blas():
         _backward(dout, q, _by_head(k), _by_head(v), out, lse, items, order, slots,
                   q.dtype.type(scale), causal, group, dq, dk_part, dv_part)
     dk = _backend.empty(k.shape, k.dtype)

@@ -1,0 +1,272 @@
+"""The BDH ("Dragon Hatchling") byte-level language model, composed only of public lowbit ops.
+
+The model of pathwaycom/bdh's ``bdh.py`` (arXiv 2509.26507), written from its equations: a byte
+embedding, layer norm, ``n_layer`` applications of one low-rank residual step with shared weights
+(``lowbit.lowrank_residual_forward``: ReLU encoder, rotary linear attention with Q = K and
+strictly causal scores, values = the step's input, LN, ReLU encoder_v, product, dropout, decoder,
+``x = LN(x + LN(mlp))``), a full-precision ``lm_head`` and the mean cross-entropy. Every LN has
+no affine parameters (eps 1e-5). The low-bit plan and the saved-activation policy apply to the
+three projections of the step; ``embed`` and ``lm_head`` stay full precision, as in BitNet.
+
+Parameters are a dict of arrays under the reference's names (``embed``, ``encoder``,
+``encoder_v``, ``decoder``, ``lm_head``), numpy or cupy alike. Siblings: ``train.py`` (batches,
+schedules, checkpoints, the training loop); the float64 reference of the whole model is
+``reference/bdh.py``; tests ``tests/test_bdh.py``; the main job ``bench/train.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .. import _backend, _ctx, _dispatch, _validate
+from ..ops.cross_entropy import cross_entropy, cross_entropy_backward, cross_entropy_forward
+from ..ops.embedding import embedding, embedding_backward, embedding_forward
+from ..ops.layer_norm import layer_norm, layer_norm_backward, layer_norm_forward
+from ..ops.lowrank_residual import (LowBitPlan, lowrank_residual, lowrank_residual_backward,
+                                    lowrank_residual_forward)
+from ..ops.packed_matmul import linear_backward, linear_forward
+
+PARAMS = ("embed", "encoder", "encoder_v", "decoder", "lm_head")
+#: Standard deviation of every initial parameter (the reference's normal_(std=0.02)).
+INIT_STD = 0.02
+#: Spreads (step seed, level) over the dropout hash's 32-bit seed, so levels drop differently.
+LEVEL_SEED_MUL = 0x9E3779B1
+
+
+@dataclasses.dataclass(frozen=True)
+class BDHConfig:
+    """The model's shape (the reference's field names and defaults) and lowbit's own fields.
+
+    Attributes:
+        n_layer: applications of the shared low-rank residual step.
+        n_embd: D, the width of the residual stream.
+        dropout: inverted-dropout probability on the step's product (0 turns it off).
+        n_head: H.
+        mlp_internal_dim_multiplier: N = multiplier * D // H latent neurons per head.
+        vocab_size: 256 for bytes.
+        plan: ``lowbit.LowBitPlan`` of the three projections (default: full precision).
+        saved: saved-activation policy of every op (None: exact; a format or ``SavedConfig``).
+    """
+
+    n_layer: int = 6
+    n_embd: int = 256
+    dropout: float = 0.1
+    n_head: int = 4
+    mlp_internal_dim_multiplier: int = 64
+    vocab_size: int = 256
+    plan: LowBitPlan = LowBitPlan()
+    saved: object = None
+
+    def __post_init__(self):
+        for name in ("n_layer", "n_embd", "n_head", "mlp_internal_dim_multiplier", "vocab_size"):
+            _validate.integer(getattr(self, name), name, minimum=1)
+        if self.n_embd * self.mlp_internal_dim_multiplier % self.n_head:
+            raise ValueError(f"n_head ({self.n_head}) must divide n_embd * "
+                             f"mlp_internal_dim_multiplier ({self.n_embd} * "
+                             f"{self.mlp_internal_dim_multiplier})")
+        dropout = _validate.finite_scalar(self.dropout, "dropout")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must lie in [0, 1), got {dropout}")
+        if not isinstance(self.plan, LowBitPlan):
+            raise TypeError(f"plan must be a lowbit.LowBitPlan, got {type(self.plan).__name__}")
+        from ..ops.saved_activation import saved_policy
+
+        saved_policy(self.saved)
+
+    @property
+    def n_latent(self) -> int:
+        """N, latent neurons per head."""
+        return self.mlp_internal_dim_multiplier * self.n_embd // self.n_head
+
+    def shapes(self) -> dict:
+        """The parameter shapes by name."""
+        D, H, N, V = self.n_embd, self.n_head, self.n_latent, self.vocab_size
+        return {"embed": (V, D), "encoder": (H, D, N), "encoder_v": (H, D, N),
+                "decoder": (H * N, D), "lm_head": (D, V)}
+
+
+def init_params(config: BDHConfig, seed: int = 0, xp=np) -> dict:
+    """Parameters drawn as the reference draws them: normal, std 0.02, float32.
+
+    Args:
+        config: the model's ``BDHConfig``.
+        seed: seed of the numpy generator (the draw is made on the host, so numpy and cupy
+            parameters from one seed are equal).
+        xp: ``numpy`` or ``cupy``, the array module of the returned arrays.
+    """
+    rng = np.random.default_rng(_validate.integer(seed, "seed", minimum=0))
+    return {name: xp.asarray((rng.standard_normal(shape) * INIT_STD).astype(np.float32))
+            for name, shape in config.shapes().items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class BDHCtx(_ctx.Ctx):
+    """What ``backward`` needs: the ctx of every op of the forward, in order (``nbytes``,
+    ``dense_nbytes`` and ``lowbit.memory_report`` walk them)."""
+
+    config: BDHConfig
+    shapes: dict
+    embed: object
+    norm: object
+    levels: list
+    head: object
+    loss: object
+
+
+def _check_params(config, params):
+    if not isinstance(params, dict) or set(params) != set(PARAMS):
+        got = sorted(params) if isinstance(params, dict) else type(params).__name__
+        raise ValueError(f"params must be a dict with keys {list(PARAMS)}, got {got}")
+    for name, shape in config.shapes().items():
+        p = _validate.as_array(params[name], f"params[{name!r}]")
+        _validate.shape(p, shape, f"params[{name!r}]", "the config's")
+        if p.dtype != np.float32:
+            raise TypeError(f"params[{name!r}] must be float32, got {p.dtype}")
+    _backend.array_kind(*params.values())
+
+
+def _ids(ids, name, config, like):
+    ids = _validate.as_array(ids, name)
+    if ids.ndim != 2 or 0 in ids.shape:
+        raise ValueError(f"{name} must have shape [B, T] with B, T >= 1, got {tuple(ids.shape)}")
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array, got {ids.dtype}")
+    _backend.array_kind(ids, like)
+    return ids
+
+
+def _level_seed(seed, level):
+    return (seed * LEVEL_SEED_MUL + level) % 2**32
+
+
+def forward(config: BDHConfig, params: dict, ids, targets, *, seed: int = 0):
+    """Mean next-byte cross-entropy of the model on ``ids``, keeping what ``backward`` needs.
+
+    Args:
+        config: the ``BDHConfig``.
+        params: dict of float32 arrays (``PARAMS``), shapes ``config.shapes()``.
+        ids: [B, T] integer array of bytes (values in ``[0, vocab_size)``).
+        targets: [B, T] integer array, the byte after each position (``-100`` is ignored, as in
+            ``lowbit.cross_entropy``).
+        seed: keys the dropout masks of this call (vary it per step); unused without dropout.
+
+    Returns:
+        ``(loss, ctx)``: loss a 0-d float32 array (nats per byte), ctx a ``BDHCtx``.
+    """
+    _check_params(config, params)
+    ids = _ids(ids, "ids", config, params["embed"])
+    targets = _ids(targets, "targets", config, params["embed"])
+    _validate.shape(targets, ids.shape, "targets", "ids'")
+    seed = _validate.integer(seed, "seed", minimum=0)
+    with _numba_blas(params["embed"]):
+        return _forward(config, params, ids, targets, seed)
+
+
+def _numba_blas(like):
+    """One BLAS thread while the numba backend runs (``lowbit._backend.single_threaded_blas``)."""
+    return _backend.single_threaded_blas(_dispatch.select_backend(like) == "numba")
+
+
+def _forward(config, params, ids, targets, seed):
+    B, T = ids.shape
+    emb, emb_ctx = embedding_forward(params["embed"], ids)
+    x, norm_ctx = layer_norm_forward(emb, saved=config.saved)
+    levels = []
+    for level in range(config.n_layer):
+        x, ctx = lowrank_residual_forward(
+            x, params["encoder"], params["encoder_v"], params["decoder"], plan=config.plan,
+            saved=config.saved, dropout=config.dropout, seed=_level_seed(seed, level))
+        levels.append(ctx)
+    logits, head_ctx = linear_forward(x.reshape(B * T, config.n_embd), params["lm_head"], None,
+                                      None, saved=config.saved)
+    loss, loss_ctx = cross_entropy_forward(logits, targets.reshape(-1))
+    shapes = {name: tuple(p.shape) for name, p in params.items()}
+    return loss, BDHCtx(config, shapes, emb_ctx, norm_ctx, levels, head_ctx, loss_ctx)
+
+
+def backward(ctx: BDHCtx) -> dict:
+    """Gradients of the forward's loss: a dict with the parameters' names, float32.
+
+    The quantized projections pass gradients straight through (``lowbit.linear_backward``'s
+    rule); the shared weights' gradients are summed over the levels.
+    """
+    if not isinstance(ctx, BDHCtx):
+        raise TypeError(f"ctx must be the BDHCtx of lowbit.models.bdh.forward, got "
+                        f"{type(ctx).__name__}")
+    with _numba_blas(ctx.head.weight):
+        return _backward(ctx)
+
+
+def _backward(ctx):
+    dlogits = cross_entropy_backward(1.0, ctx.loss)
+    dx, dlm_head = linear_backward(dlogits, ctx.head)
+    xp = _backend.array_module(dx)
+    shapes = ctx.shapes
+    grads = tuple(xp.zeros(shapes[n], np.float32) for n in ("encoder", "encoder_v", "decoder"))
+    dx = dx.reshape(ctx.levels[0].shape[:3]) if ctx.levels else dx
+    for level_ctx in reversed(ctx.levels):
+        dx, *_ = lowrank_residual_backward(dx, level_ctx, accumulate=grads)
+    demb = layer_norm_backward(dx, ctx.norm)
+    dembed = embedding_backward(demb, ctx.embed)
+    return {"embed": dembed, "encoder": grads[0], "encoder_v": grads[1], "decoder": grads[2],
+            "lm_head": dlm_head}
+
+
+def logits(config: BDHConfig, params: dict, ids):
+    """Inference: next-byte logits [B, T, vocab_size] float32 (no dropout, nothing saved)."""
+    _check_params(config, params)
+    ids = _ids(ids, "ids", config, params["embed"])
+    B, T = ids.shape
+    with _numba_blas(params["embed"]):
+        x = layer_norm(embedding(params["embed"], ids))
+        for _ in range(config.n_layer):
+            x = lowrank_residual(x, params["encoder"], params["encoder_v"], params["decoder"],
+                                 plan=config.plan)
+        return (x.reshape(B * T, -1) @ params["lm_head"]).reshape(B, T, -1)
+
+
+def loss(config: BDHConfig, params: dict, ids, targets):
+    """Inference loss (no dropout, nothing saved): a Python float, nats per byte."""
+    out = logits(config, params, ids)
+    targets = _ids(targets, "targets", config, params["embed"])
+    return float(cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1)))
+
+
+def generate(config: BDHConfig, params: dict, prompt_bytes: bytes, n: int, *,
+             temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
+             context: int | None = None) -> bytes:
+    """Sample ``n`` bytes after ``prompt_bytes``.
+
+    Each new byte is drawn from ``softmax(logits / temperature)`` of the last position, restricted
+    to the ``top_k`` largest logits when given, with a numpy generator seeded by ``seed``. The
+    model reads the last ``context`` bytes (default: all); its state is recomputed every step.
+
+    Returns:
+        the ``n`` sampled bytes (without the prompt).
+    """
+    if not isinstance(prompt_bytes, (bytes, bytearray)) or not prompt_bytes:
+        raise TypeError("prompt_bytes must be non-empty bytes")
+    n = _validate.integer(n, "n", minimum=0)
+    temperature = _validate.finite_scalar(temperature, "temperature")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if top_k is not None:
+        top_k = _validate.integer(top_k, "top_k", minimum=1)
+    if context is not None:
+        context = _validate.integer(context, "context", minimum=1)
+    xp = _backend.array_module(params["embed"])
+    rng = np.random.default_rng(_validate.integer(seed, "seed", minimum=0))
+    seq = list(prompt_bytes)
+    for _ in range(n):
+        window = seq[-context:] if context else seq
+        ids = xp.asarray(np.asarray(window, dtype=np.int64)[None, :])
+        last = logits(config, params, ids)[0, -1]
+        z = np.asarray(last.get() if hasattr(last, "get") else last, dtype=np.float64)
+        z = z / temperature
+        if top_k is not None and top_k < z.size:
+            z[z < np.sort(z)[-top_k]] = -np.inf
+        p = np.exp(z - z.max())
+        seq.append(int(rng.choice(z.size, p=p / p.sum())))
+    return bytes(seq[len(prompt_bytes):])
