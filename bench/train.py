@@ -15,6 +15,7 @@ The model: ``lowbit/models/bdh.py``; the loop: ``lowbit/models/train.py``; the t
 
 from __future__ import annotations
 
+import textwrap
 import time
 
 import numpy as np
@@ -168,7 +169,7 @@ def plot(curves, entropy, path, title):
     ax.axhline(entropy, color="gray", ls="--", lw=1, label=f"unigram entropy {entropy:.2f}")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per byte)")
-    ax.set_title(title)
+    ax.set_title(textwrap.fill(title, 90), fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -109,7 +109,7 @@ def rows(run, corpus, progress=print):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         busy += time.perf_counter() - start
-        losses.append(float(loss))
+        losses.append(loss.item())
     seconds = time.perf_counter() - begin
     model.eval()
     trained = {k: v.detach().numpy() for k, v in model.named_parameters()}
