@@ -20,7 +20,7 @@ from . import _harness
 
 #: Every suite, runnable by name (``python -m bench SUITE``) and under pytest-benchmark.
 SUITES = ("pack_bits", "matmul", "scan", "attention", "memory", "lowrank_residual", "embedding",
-          "cross_entropy", "layer_norm", "adamw", "train")
+          "cross_entropy", "layer_norm", "adamw", "io", "train")
 
 
 def main(argv=None) -> int:
@@ -35,12 +35,20 @@ def main(argv=None) -> int:
                         help="main job: draw the loss curves (needs the plot extra)")
     parser.add_argument("--long", action="store_true",
                         help="main job / train: the longer training run of bench/train.py")
+    parser.add_argument("--distributed", action="store_true",
+                        help="train: data-parallel under mpiexec (bench/train_distributed.py)")
     args = parser.parse_args(argv)
+    _import_torch_first()
     config = _harness.Config(quick=args.quick, gpu=args.gpu, backend=args.backend)
     print(f"threads: {_harness.threads()}", flush=True)
     if not args.suites:
         return _main_job(args, config)
     for name in args.suites:
+        if name == "train" and args.distributed:
+            from . import train_distributed
+
+            train_distributed.main(args, config)
+            continue
         if name == "train":
             _main_job(args, config, peers=True)
             continue
@@ -53,6 +61,16 @@ def main(argv=None) -> int:
         path = _harness.write_json(name, rows, config, args.results)
         print(f"({time.perf_counter() - start:.1f} s, {path})", flush=True)
     return 0
+
+
+def _import_torch_first():
+    """Import torch (the peers' library), if installed, before Numba starts its threads: a torch
+    imported after them binds the system's OpenMP runtime and runs several times slower, which
+    would flatter lowbit against it."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
 
 
 def _progress(message):

@@ -17,6 +17,10 @@ gradient buffers and accumulates into them), so they are not part of it. On GPU:
 measured steps a warm-up runs every policy on a tiny layer and one full fp32 step, so that no
 measured step pays for JIT compilation or first-use caches.
 
+Block patterns (issue 19): the same step with exact saved tensors and 100%, 50% and 25% of the
+latent blocks active (``PATTERN_BLOCK`` neurons each, spread evenly), timed against the dense
+step, with the saved bytes against dense (targets ``PATTERN_TARGETS``).
+
 Op: ``lowbit/ops/lowrank_residual``; reference: ``reference/lowrank_residual.py``.
 """
 
@@ -110,8 +114,9 @@ def _check_small(config):
             raise AssertionError(f"lowrank_residual {name}: relative error {err:.2e} vs reference")
 
 
-def run_step(inputs, saved, plan, threshold, config):
-    """One training step (4 applications forward, then backward) under one saved policy.
+def run_step(inputs, saved, plan, threshold, config, pattern=None):
+    """One training step (4 applications forward, then backward) under one saved policy (and a
+    block pattern of the latent neurons, if any).
 
     Returns a dict: grads (dcurrent, dencoder, dencoder_v, ddecoder), saved and dense bytes,
     peak bytes, seconds, the densities of x_neuron and y_gate.
@@ -126,7 +131,8 @@ def run_step(inputs, saved, plan, threshold, config):
         x, ctxs = current, []
         for _ in range(APPLICATIONS):
             x, ctx = lowbit.lowrank_residual_forward(x, encoder, encoder_v, decoder, plan=plan,
-                                                     saved=saved, relu_threshold=threshold)
+                                                     saved=saved, relu_threshold=threshold,
+                                                     latent_pattern=pattern)
             ctxs.append(ctx)
         nbytes = sum(c.nbytes for c in ctxs)
         dense = sum(c.dense_nbytes for c in ctxs)
@@ -273,3 +279,55 @@ def cases(config: Config):
 
         yield Case("lowrank_residual", f"step {policy}", fn=step, check=check,
                    baseline=None if policy == "fp32" else "step fp32", info=info)
+    yield from _pattern_cases(config, setup)
+
+
+#: Active fractions of the block-pattern rows (issue 19), blocks of PATTERN_BLOCK neurons spread
+#: evenly over the latent axis; targets: the step time and saved bytes against dense.
+PATTERN_FRACTIONS = (1.0, 0.5, 0.25)
+PATTERN_BLOCK = 64
+PATTERN_TARGETS = {0.5: (1.6, None), 0.25: (2.5, 0.30)}
+
+
+def block_pattern(N, fraction):
+    """Every ``1 / fraction``-th block of PATTERN_BLOCK neurons active (None: all)."""
+    if fraction == 1.0:
+        return None
+    blocks = -(-N // PATTERN_BLOCK)
+    return lowbit.BlockPattern(PATTERN_BLOCK, np.arange(blocks) % round(1 / fraction) == 0)
+
+
+def _pattern_cases(config, setup):
+    """One timed step per active fraction, exact saved tensors (the latent ones are what a
+    pattern removes), against the dense step; the check records saved bytes and the result."""
+    N = shape(config)["N"]
+    dense_name = "pattern 100% active"
+    dense = {}
+    for fraction in PATTERN_FRACTIONS:
+        name = f"pattern {round(fraction * 100)}% active"
+        info = {"policy": "exact", "active": fraction}
+
+        def check(fraction=fraction, info=info):
+            st = setup()
+            r = run_step(st["inputs"], None, st["plan"], st["threshold"], config,
+                         block_pattern(N, fraction))
+            if fraction == 1.0:
+                dense.update(r)
+            info.update({"saved MiB": r["nbytes"] / 2**20,
+                         "bytes vs dense": r["nbytes"] / dense["nbytes"],
+                         "peak MiB": r["peak"] / 2**20})
+            bound = PATTERN_TARGETS.get(fraction, (None, None))[1]
+            if bound is not None:
+                info.update({"bytes target": bound,
+                             "bytes met": r["nbytes"] / dense["nbytes"] <= bound})
+            if not all(np.isfinite(_host(g)).all() for g in r["grads"]):
+                raise AssertionError(f"{name}: non-finite gradients")
+
+        def step(fraction=fraction):
+            st = setup()
+            run_step(st["inputs"], None, st["plan"], st["threshold"], config,
+                     block_pattern(N, fraction))
+
+        yield Case("lowrank_residual", name, fn=step, check=check,
+                   baseline=None if fraction == 1.0 else dense_name,
+                   target=PATTERN_TARGETS.get(fraction, (None, None))[0], info=info)

@@ -11,7 +11,9 @@ Op: ``lowbit/ops/packed_matmul`` (formats in ``lowbit/ops/quantize``); reference
   GEMV variants (plane decode, lookup table) side by side;
 - GEMM, M = 256: NumPy float32 matmul (baseline), packed GEMM (target 1.0), with the weight bytes
   of both;
-- the straight-through linear layer's backward against its NumPy float32 equivalent;
+- the straight-through linear layer's backward (ternary weights, int8 activations) against its
+  NumPy float32 equivalent: the exact path (target 1.0) and the opt-in int8 gradients (target
+  2.0), with the cosine of the latter's dx and dw against the exact gradients;
 - torch float32 / bfloat16 matmul on the same shapes when torch is installed.
 
 With ``--gpu`` the same shapes run on cupy arrays against cupy float16 matmul (GEMM at M = 4096).
@@ -26,7 +28,7 @@ import numba
 import numpy as np
 
 import lowbit
-from lowbit.reference.packed_matmul import packed_matmul_ref
+from lowbit.reference.packed_matmul import linear_bwd_int8_ref, linear_bwd_ref, packed_matmul_ref
 
 from ._harness import Case, Config
 
@@ -200,15 +202,77 @@ def cases(config: Config):
     yield from _torch_cases(xm, w, "gemm", "gemm numpy f32")
 
     # straight-through backward ---------------------------------------------------------------
+    yield from _backward_cases(backend, label, rng, xm, w, M, K, N)
+
+
+def _cosine(a, b):
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def _check_backward_small(backend, grad_format):
+    """The straight-through backward on a small shape against its float64 reference: the exact
+    path within float32 rounding, the int8 gradient path bit for bit."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((33, 75)).astype(np.float32)
+    w = rng.standard_normal((75, 45)).astype(np.float32)
+    dy = rng.standard_normal((33, 45)).astype(np.float32)
+    with _maybe(backend):
+        _, ctx = lowbit.linear_forward(x, w, "ternary", "int8")
+        dx, dw = lowbit.linear_backward(dy, ctx, grad_format=grad_format)
+    if grad_format is None:
+        rdx, rdw = linear_bwd_ref(dy, x, w, "ternary", "int8")
+        np.testing.assert_allclose(dx, rdx, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(dw, rdw, rtol=1e-5, atol=1e-5)
+    else:
+        rdx, rdw = linear_bwd_int8_ref(dy, x, w, "ternary", "int8")
+        np.testing.assert_array_equal(dx, rdx)
+        np.testing.assert_array_equal(dw, rdw)
+
+
+def _backward_cases(backend, label, rng, xm, w, M, K, N):
+    """NumPy float32 ``(dy @ w.T, x.T @ dy)`` (baseline), lowbit's exact straight-through backward
+    (target 1.0) and its int8 gradient path (target 2.0, with the cosine of its dx and dw against
+    the exact gradients, computed in float64 from the same codes)."""
     dy = rng.standard_normal((M, N)).astype(np.float32)
-    yield Case(SUITE, "linear bwd numpy f32", fn=lambda: (dy @ w.T, xm.T @ dy),
-               flops=4.0 * M * K * N, info={"shape": f"{M}x{K}x{N}"})
     with _maybe(backend):
         _, ctx = lowbit.linear_forward(xm, w, "ternary", "int8")
-    yield Case(SUITE, f"linear bwd ternary/int8 {label}",
-               fn=run(lambda: lowbit.linear_backward(dy, ctx)), baseline="linear bwd numpy f32",
-               flops=4.0 * M * K * N,
-               info={"shape": f"{M}x{K}x{N}", "ctx B": ctx.nbytes, "ctx fp32 B": ctx.dense_nbytes})
+    qw = ctx.packed.codes().astype(np.float64) * float(ctx.packed.scale)
+    qa = lowbit.quantize_activation(xm).dequantize().astype(np.float64)
+    exact = (dy.astype(np.float64) @ qw.T, qa.T @ dy.astype(np.float64))
+
+    def close(got, want, rtol):
+        for name, g, r in zip(("dx", "dw"), got, want):
+            err = np.abs(g - r).max() / np.abs(r).max()
+            assert err < rtol, f"{name}: max error {err:.2e} of the largest value"
+
+    yield Case(SUITE, "linear bwd numpy f32", fn=lambda: (dy @ w.T, xm.T @ dy),
+               check=lambda: close((dy @ w.T, xm.T @ dy),
+                                   (dy.astype(np.float64) @ w.T.astype(np.float64),
+                                    xm.T.astype(np.float64) @ dy.astype(np.float64)), 1e-5),
+               flops=4.0 * M * K * N, info={"shape": f"{M}x{K}x{N}"})
+    info = {"shape": f"{M}x{K}x{N}", "format": "ternary/int8", "ctx B": ctx.nbytes,
+            "ctx fp32 B": ctx.dense_nbytes}
+    for grad_format in (None, "int8"):
+        def fn(grad_format=grad_format):
+            with _maybe(backend):
+                return lowbit.linear_backward(dy, ctx, grad_format=grad_format)
+
+        row = dict(info, grad=grad_format or "float32")
+
+        def check(fn=fn, grad_format=grad_format, row=row):
+            _check_backward_small(backend, grad_format)
+            got = fn()
+            if grad_format is None:
+                close(got, exact, 1e-5)
+            else:  # the cosines go into the row: the int8 path is an approximation
+                row["cos dx"], row["cos dw"] = (f"{_cosine(g, r):.6f}"
+                                                for g, r in zip(got, exact))
+
+        yield Case(SUITE, f"linear bwd ternary/int8 {label}"
+                   + ("" if grad_format is None else " grad int8"), fn=fn, check=check,
+                   baseline="linear bwd numpy f32", target=1.0 if grad_format is None else 2.0,
+                   flops=4.0 * M * K * N, info=row)
 
 
 def _gpu_cases(config: Config):

@@ -6,13 +6,23 @@ Ops: ``lowbit/ops/gated_delta_scan``, ``lowbit/ops/selective_scan``; references:
 ``reference/gated_delta_scan.py``, ``reference/selective_scan.py``. Each fast case is checked
 against the float64 reference on a small shape before it is timed. ``tokens/s`` is batch x T
 over the median call time of the very calls the harness times.
+
+On CPU the gated delta rule also gets the chunked (WY / UT) numba kernels
+(``lowbit/ops/gated_delta_scan/_numba_chunked.py``) timed against the token-by-token numba
+kernels in the same run (target ``CHUNKED_TARGET``), and, when flash-linear-attention is installed
+(pip package ``fla-core``), its torch ``naive_chunk_gated_delta_rule`` as the peer: run as its
+users run it (the [B, T, H, K] tensors it takes, built before the clock; ``scale=1``, so it
+computes lowbit's function; the backward through torch autograd on a graph kept from one
+forward), torch's threads pinned to Numba's, its result checked against the reference first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -24,6 +34,8 @@ from ._harness import Case, Config
 
 #: Speedup over the NumPy loop each numba case must reach (issue 6).
 TARGET = 10.0
+#: Speedup of the chunked gated delta kernels over the token-by-token ones (issue 18).
+CHUNKED_TARGET = 2.5
 
 
 # -- what a user would write: NumPy loops over T, vectorized over batch and head ---------------
@@ -202,6 +214,135 @@ def _check_loops():
         _close("loop grad", ref, got, 1e-12)
 
 
+# -- the chunked kernels and flash-linear-attention's torch peer (CPU only) --------------------
+
+def _fla_naive():
+    """fla's ``naive`` gated delta module, or the reason it cannot be loaded.
+
+    Loaded from its file: importing ``fla.ops`` imports every Triton kernel first, and the naive
+    torch module needs only torch and einops.
+    """
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        return None, "fla-core not installed (pip install fla-core einops)"
+    path = Path(list(spec.submodule_search_locations)[0]) / "ops/gated_delta_rule/naive.py"
+    try:
+        loaded = importlib.util.spec_from_file_location("_fla_gated_delta_naive", path)
+        module = importlib.util.module_from_spec(loaded)
+        loaded.loader.exec_module(module)
+    except (ImportError, OSError) as error:
+        return None, f"fla's naive gated delta rule cannot be loaded: {error}"
+    return module, None
+
+
+class _FlaPeer:
+    """``naive_chunk_gated_delta_rule`` on torch CPU tensors built once, before any timing."""
+
+    def __init__(self, torch, naive, q, k, v, log_decay, beta, s0, dout):
+        self.torch = torch
+        self.naive = naive
+        self.inputs = [torch.from_numpy(np.ascontiguousarray(a)).requires_grad_()
+                       for a in (q, k, v, log_decay, beta, s0)]
+        self.dout = torch.from_numpy(dout)
+        self.graph = None
+
+    def _run(self):
+        q, k, v, g, beta, s0 = self.inputs
+        return self.naive.naive_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64, scale=1.0,
+                                                       initial_state=s0,
+                                                       output_final_state=True)
+
+    def forward(self):
+        with self.torch.no_grad():
+            return self._run()
+
+    def backward(self):
+        """Gradients of (out * dout).sum() through the graph of one kept forward."""
+        if self.graph is None:
+            self.graph = self._run()[0]
+        return self.torch.autograd.grad(self.graph, self.inputs, self.dout, retain_graph=True)
+
+
+def _check_fla(torch, naive):
+    """The timed fla path on a small shape (T not a multiple of 64) against the reference."""
+    rng = np.random.default_rng(4)
+    inputs = _gdr_inputs(rng, 2, 70, 2, 5, 7, np.float32)
+    dout = rng.normal(size=inputs[2].shape).astype(np.float32)
+    peer = _FlaPeer(torch, naive, *inputs, dout)
+    out, state = peer.forward()
+    ref_out, ref_state = gated_delta_scan_ref(*inputs)
+    _close("fla out", ref_out, out.numpy(), 1e-5)
+    _close("fla state", ref_state, state.numpy(), 1e-5)
+    refs = gated_delta_scan_bwd_ref(*inputs, dout, np.zeros_like(inputs[5]))
+    for name, ref, got in zip(("dq", "dk", "dv", "dlog_decay", "dbeta", "dinitial_state"),
+                              refs, peer.backward()):
+        _close(f"fla {name}", ref, got.numpy(), 1e-5)
+
+
+def _check_kernels(forward, backward):
+    """A pair of numba gated delta kernels (working-array contract) against the reference."""
+    rng = np.random.default_rng(5)
+    q, k, v, ld, beta, s0 = _gdr_inputs(rng, 2, 70, 2, 5, 7, np.float32)
+    dout = rng.normal(size=v.shape).astype(np.float32)
+    dstate = rng.normal(size=s0.shape).astype(np.float32)
+    work = (q, k, v, np.ascontiguousarray(ld[..., None]), beta)
+    out, state, checkpoints = forward(*work, s0, 32, True)
+    grads = backward(dout, dstate, *work, checkpoints, 32)
+    ref_out, ref_state = gated_delta_scan_ref(q, k, v, ld, beta, s0)
+    _close("out", ref_out, out, 1e-5)
+    _close("state", ref_state, state, 1e-5)
+    refs = gated_delta_scan_bwd_ref(q, k, v, ld, beta, s0, dout, dstate)
+    for name, ref, got in zip(("dq", "dk", "dv", "dlog_decay", "dbeta", "dinitial_state"),
+                              refs, grads[:3] + (grads[3][..., 0],) + grads[4:]):
+        _close(name, ref, got, 1e-5)
+
+
+def _chunked_cases(inputs, dout, tokens, flops, dims):
+    """Recurrent numba, chunked numba and the fla peer, per direction, chunked and fla against
+    the recurrent row of the same run."""
+    from lowbit.ops.gated_delta_scan import _numba, _numba_chunked
+
+    q, k, v, ld, beta, s0 = inputs
+    work = (q, k, v, np.ascontiguousarray(ld[..., None]), beta)
+    zero = np.zeros_like(s0)
+    kernels = {"recurrent": (_numba.forward, _numba.backward),
+               "chunked": (_numba_chunked.forward, _numba_chunked.backward)}
+    naive, reason = _fla_naive()
+    peer = None
+    if naive is not None:
+        import numba
+        import torch
+
+        torch.set_num_threads(numba.get_num_threads())
+        peer = _FlaPeer(torch, naive, *inputs, dout)
+    for direction in ("forward", "backward"):
+        base = f"gated_delta {direction} numba recurrent"
+        for kind, (fwd, bwd) in kernels.items():
+            if direction == "forward":
+                def fn(f=fwd):
+                    f(*work, s0, 64, True)
+            else:
+                checkpoints = fwd(*work, s0, 64, True)[2]
+
+                def fn(b=bwd, c=checkpoints):
+                    b(dout, zero, *work, c, 64)
+            info = {"shape": dims}
+            yield Case("scan", f"gated_delta {direction} numba {kind}",
+                       fn=_timed(fn, info, tokens), info=info, flops=flops[direction],
+                       check=lambda f=fwd, b=bwd: _check_kernels(f, b),
+                       baseline=None if kind == "recurrent" else base,
+                       target=None if kind == "recurrent" else CHUNKED_TARGET)
+        if peer is None:
+            print(f"  scan/gated_delta {direction} fla: skipped, {reason}")
+            continue
+        info = {"shape": dims, "torch_threads": peer.torch.get_num_threads()}
+        yield Case("scan", f"gated_delta {direction} fla naive_chunk (torch)",
+                   fn=_timed(getattr(peer, direction), info, tokens), info=info,
+                   flops=flops[direction], baseline=base,
+                   check=(lambda: _check_fla(peer.torch, naive)) if direction == "forward"
+                   else None)
+
+
 # -- cases ----------------------------------------------------------------------------------------
 
 def _forced(backend):
@@ -289,3 +430,6 @@ def cases(config: Config):
                        check=lambda c=check: c(xp, backend), baseline=base,
                        target=None if config.gpu else TARGET, info=info,
                        flops=tokens * nh * flops[direction])
+        if op == "gated_delta" and not config.gpu and backend in (None, "numba"):
+            yield from _chunked_cases(inputs, dout, tokens,
+                                      {d: tokens * nh * f for d, f in flops.items()}, dims)

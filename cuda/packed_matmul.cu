@@ -159,45 +159,50 @@ __global__ void gemm_int(const int8_t* __restrict__ codes_x,  // [M, K]
     const int lane = tid % lowbit::kWarpSize;
     const int g = lane / 4;
     const int t = lane % 4;
-    const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTileM;
     const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kTileN;
     const int wm = (warp / 2) * 16;
     const int wn = (warp % 2) * 16;
-    int c[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
-    for (int64_t k0 = 0; k0 < K; k0 += kTileK) {
-        for (int w = tid; w < kTileM * kWordsK; w += kThreads) {
-            const int r = w / kWordsK;
-            const int q = w % kWordsK;
-            const int64_t m = m0 + r;
-            a_tile[r][q] = m < M ? act_code4(codes_x + m * K, k0 + 4 * q, K) : 0;
-            const int64_t n = n0 + r;
-            b_tile[r][q] = n < N ? weight_code4<FMT>(data + n * bytes_per_row, k0 + 4 * q, K) : 0;
+    // Row tiles stride by gridDim.y, which CUDA caps at 65535: any M fits.
+    for (int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTileM; m0 < M;
+         m0 += static_cast<int64_t>(gridDim.y) * kTileM) {
+        int c[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+        for (int64_t k0 = 0; k0 < K; k0 += kTileK) {
+            for (int w = tid; w < kTileM * kWordsK; w += kThreads) {
+                const int r = w / kWordsK;
+                const int q = w % kWordsK;
+                const int64_t m = m0 + r;
+                a_tile[r][q] = m < M ? act_code4(codes_x + m * K, k0 + 4 * q, K) : 0;
+                const int64_t n = n0 + r;
+                b_tile[r][q] =
+                    n < N ? weight_code4<FMT>(data + n * bytes_per_row, k0 + 4 * q, K) : 0;
+            }
+            __syncthreads();
+            const int a[4] = {a_tile[wm + g][t], a_tile[wm + g + 8][t], a_tile[wm + g][4 + t],
+                              a_tile[wm + g + 8][4 + t]};
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                const int b[2] = {b_tile[wn + nt * 8 + g][t], b_tile[wn + nt * 8 + g][4 + t]};
+                mma_m16n8k32_s8(c[nt], a, b);
+            }
+            __syncthreads();
         }
-        __syncthreads();
-        const int a[4] = {a_tile[wm + g][t], a_tile[wm + g + 8][t], a_tile[wm + g][4 + t],
-                          a_tile[wm + g + 8][4 + t]};
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-            const int b[2] = {b_tile[wn + nt * 8 + g][t], b_tile[wn + nt * 8 + g][4 + t]};
-            mma_m16n8k32_s8(c[nt], a, b);
-        }
-        __syncthreads();
-    }
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int64_t m = m0 + wm + g + (i >= 2 ? 8 : 0);
-            const int64_t n = n0 + wn + nt * 8 + 2 * t + (i % 2);
-            if (m < M && n < N) {
-                y[m * N + n] = scale_acc(c[nt][i], scale_x[m], scale_w[n * scale_w_stride]);
+            for (int i = 0; i < 4; ++i) {
+                const int64_t m = m0 + wm + g + (i >= 2 ? 8 : 0);
+                const int64_t n = n0 + wn + nt * 8 + 2 * t + (i % 2);
+                if (m < M && n < N) {
+                    y[m * N + n] = scale_acc(c[nt][i], scale_x[m], scale_w[n * scale_w_stride]);
+                }
             }
         }
     }
 }
 
 // y = (x @ codes_w) * scale_w with float32 accumulation: one warp per (m, n), lanes over k, a
-// fixed-order warp reduction (deterministic).
+// fixed-order warp reduction (deterministic). Blocks stride over (row, group of kGemvWarps
+// columns) tasks on a 1-D grid, so the number of rows meets no grid limit.
 template <int FMT>
 __global__ void matmul_float(const float* __restrict__ x,        // [M, K]
                              const uint8_t* __restrict__ data,   // [N, bytes_per_row]
@@ -207,18 +212,43 @@ __global__ void matmul_float(const float* __restrict__ x,        // [M, K]
                              int64_t scale_w_stride) {
     using namespace lowbit_pm;
     const int lane = threadIdx.x % lowbit::kWarpSize;
-    const int64_t n =
-        static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / lowbit::kWarpSize;
-    const int64_t m = blockIdx.y;
-    if (n >= N) return;
-    const uint8_t* row = data + n * bytes_per_row;
-    const float* xr = x + m * K;
-    float acc = 0.0f;
-    for (int64_t k = lane; k < K; k += lowbit::kWarpSize) {
-        acc += xr[k] * static_cast<float>(weight_code<FMT>(row, k));
+    const int64_t groups = (N + kGemvWarps - 1) / kGemvWarps;
+    for (int64_t task = blockIdx.x; task < M * groups; task += gridDim.x) {
+        const int64_t m = task / groups;
+        const int64_t n = (task % groups) * kGemvWarps + threadIdx.x / lowbit::kWarpSize;
+        if (n >= N) continue;  // whole warps skip together
+        const uint8_t* row = data + n * bytes_per_row;
+        const float* xr = x + m * K;
+        float acc = 0.0f;
+        for (int64_t k = lane; k < K; k += lowbit::kWarpSize) {
+            acc += xr[k] * static_cast<float>(weight_code<FMT>(row, k));
+        }
+        acc = lowbit::warp_sum(acc);
+        if (lane == 0) y[m * N + n] = acc * scale_w[n * scale_w_stride];
     }
-    acc = lowbit::warp_sum(acc);
-    if (lane == 0) y[m * N + n] = acc * scale_w[n * scale_w_stride];
+}
+
+// dx of int8 gradient codes: float32(dy_codes @ codes_w^T) * dy_scale[m] * scale, exact int32
+// sums, one thread per (m, k) (grid-stride), looping over n; the two products in that order.
+template <int FMT>
+__global__ void matmul_dx_int(const int8_t* __restrict__ dy_codes,  // [M, N]
+                              const float* __restrict__ dy_scale,   // [M]
+                              const uint8_t* __restrict__ data,     // [N, bytes_per_row]
+                              const float* __restrict__ scale,      // [1]
+                              float* __restrict__ dx,               // [M, K]
+                              int64_t M, int64_t N, int64_t K, int64_t bytes_per_row) {
+    using namespace lowbit_pm;
+    const int64_t total = M * K;
+    for (int64_t idx = lowbit::grid_index(); idx < total; idx += lowbit::grid_stride()) {
+        const int64_t m = idx / K;
+        const int64_t k = idx - m * K;
+        const int8_t* g = dy_codes + m * N;
+        int acc = 0;
+        for (int64_t n = 0; n < N; ++n) {
+            acc += static_cast<int>(g[n]) * weight_code<FMT>(data + n * bytes_per_row, k);
+        }
+        dx[idx] = static_cast<float>(acc) * dy_scale[m] * scale[0];
+    }
 }
 
 // dx = dy @ (codes_w * scale_w)^T: one thread per (m, k) (grid-stride), looping over n. Ternary

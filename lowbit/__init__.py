@@ -33,6 +33,7 @@ def _alias_reference():
 _alias_reference()
 
 from ._ctx import MemoryReport, memory_report
+from ._backend import clear_caches
 from ._dispatch import BackendUnavailableError, available_backends, use_backend
 from .ops.pack_bits import pack_bits, unpack_bits
 from .ops.adamw import AdamW
@@ -63,7 +64,8 @@ from .ops.selective_scan import (SelectiveScanCtx, selective_scan, selective_sca
                                  selective_scan_forward)
 # -- lowrank residual (issue 7) --
 from ._profile import profile
-from .ops.lowrank_residual import (LowBitPlan, LowrankResidualCtx, lowrank_residual,
-                                   lowrank_residual_backward, lowrank_residual_forward)
+from .ops.lowrank_residual import (BlockPattern, LowBitPlan, LowrankResidualCtx, lowrank_residual,
+                                   lowrank_residual_backward, lowrank_residual_forward,
+                                   quantize_layer_weights)
 
 __version__ = "0.1.0"

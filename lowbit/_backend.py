@@ -190,3 +190,31 @@ def single_threaded_blas(active: bool = True):
     finally:
         for (_, setter), count in zip(controls, previous):
             setter(count)
+
+
+#: Caches that grow with the shapes seen, as (module, attribute): per-thread scratch buffers
+#: (a ``threading.local``) and ``functools.lru_cache``d tables. Compiled kernels are not here:
+#: they are bounded by the number of kernel sources and cannot be unloaded anyway.
+_SHAPE_CACHES = (
+    ("lowbit.ops.packed_matmul._numba._gemm_f64", "_WORK"),
+    ("lowbit.ops.lowrank_residual._layer", "_rope_tables_host"),
+    ("lowbit.ops.lowrank_residual._layer", "_rope_tables_device"),
+)
+
+
+def clear_caches() -> None:
+    """Release the buffers and tables that kernels keep between calls.
+
+    Frees the packed GEMM's float64 workspaces of the calling thread (each at most
+    ``WORKSPACE_MAX_BYTES``; another thread's are freed when that thread ends, or by calling this
+    in it) and the cached rotary tables. Only modules already imported are touched; the next
+    call simply allocates afresh.
+    """
+    import sys
+
+    for module_name, attribute in _SHAPE_CACHES:
+        cache = getattr(sys.modules.get(module_name), attribute, None)
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+        elif cache is not None:
+            vars(cache).clear()

@@ -1,10 +1,11 @@
 """Compile checks of lowbit's CUDA kernels with NVRTC, without a GPU.
 
 ``compile_check(code, name_expressions, include_dirs, arch)`` compiles a ``cuda/*.cu`` source
-the way ``cupy.RawModule`` does on a GPU (``lowbit/_kernels.py``), down to a cubin for one
-architecture, and reports each kernel's registers, spills and static shared memory from the
-ptxas log. Tests: ``tests/test_nvrtc.py`` (and the per-op tests that compile every launcher's
-instantiations). The CPU twin of the same sources is ``lowbit/_cudasim.py``.
+with the options ``lowbit/_kernels.py`` compiles it with on a GPU (``NVRTC_OPTIONS``), down to a
+cubin for one architecture, and reports each kernel's registers, spills and static shared memory
+from the ptxas log; ``compile_ptx`` returns the PTX of the same compile. Tests:
+``tests/test_nvrtc.py`` (and the per-op tests that compile every launcher's instantiations).
+The CPU twin of the same sources is ``lowbit/_cudasim.py``.
 
 Needs the pip packages ``cuda-bindings`` (``cuda.bindings.nvrtc``) and ``nvidia-cuda-nvrtc``
 (the ``test`` extra); ``cuda.bindings`` finds ``libnvrtc.so`` in the ``nvidia`` site-packages
@@ -22,10 +23,11 @@ import re
 import sys
 from collections.abc import Sequence
 
-__all__ = ["available", "unavailable_reason", "compile_check", "SUPPORTED_ARCHS"]
+from ._kernels import NVRTC_OPTIONS
+
+__all__ = ["available", "unavailable_reason", "compile_check", "compile_ptx", "SUPPORTED_ARCHS"]
 
 SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
-BASE_OPTIONS = ("-std=c++17",)
 _INSTALL_HINT = "pip install cuda-bindings nvidia-cuda-nvrtc (the lowbit[test] extra)"
 
 
@@ -151,9 +153,9 @@ def compile_check(code: str, name_expressions: Sequence[str], include_dirs: Sequ
                   arch: str, options: Sequence[str] = ()) -> dict[str, dict[str, int]]:
     """Compile ``code`` with NVRTC for ``arch`` and report each kernel's resources.
 
-    The options are ``-std=c++17``, ``-I<dir>`` per include dir, ``--gpu-architecture=<arch>``
-    (a real architecture, so ptxas runs and the result is a cubin) and
-    ``--ptxas-options=-v`` (ptxas's register and spill report lands in the program log).
+    The options are ``NVRTC_OPTIONS`` (those of a GPU load), ``-I<dir>`` per include dir,
+    ``--gpu-architecture=<arch>`` (a real architecture, so ptxas runs and the result is a cubin)
+    and ``--ptxas-options=-v`` (ptxas's register and spill report lands in the program log).
 
     Args:
         code: full .cu source text.
@@ -172,16 +174,44 @@ def compile_check(code: str, name_expressions: Sequence[str], include_dirs: Sequ
         RuntimeError: NVRTC is unavailable, or the source does not compile (the message holds
             NVRTC's full log), or a name expression is missing from ptxas's report.
     """
+    log, lowered, _ = _compile_cached(code, name_expressions, include_dirs, arch, options)
+    usage = parse_ptxas_log(log)
+    report = {}
+    for n, mangled in lowered.items():
+        if mangled not in usage:
+            raise RuntimeError(
+                f"kernel {n!r} ({mangled}) is missing from the ptxas report for {arch}:\n{log}"
+            )
+        report[n] = usage[mangled]
+    return report
+
+
+def compile_ptx(code: str, name_expressions: Sequence[str], include_dirs: Sequence[str],
+                arch: str, options: Sequence[str] = ()) -> str:
+    """The PTX of ``code`` compiled as ``compile_check`` does (``options`` come last, so they
+    override ``NVRTC_OPTIONS``, as NVRTC's last option wins)."""
+    return _compile_cached(code, name_expressions, include_dirs, arch, options)[2]
+
+
+def _compile_cached(code, name_expressions, include_dirs, arch, options):
+    if isinstance(name_expressions, str):
+        raise TypeError("name_expressions must be a sequence of strings, not one string")
+    return _compile(code, tuple(name_expressions), tuple(map(os.fspath, include_dirs)), arch,
+                    tuple(options))
+
+
+@functools.lru_cache(maxsize=64)
+def _compile(code, name_expressions, include_dirs, arch, options) -> tuple[str, dict, str]:
+    """(program log, lowered names, PTX) of one NVRTC compile; the same compile of a source is
+    asked for its resources and its PTX, so it is kept."""
     nvrtc, info = _load()
     if nvrtc is None:
         raise RuntimeError(info)
     if not re.fullmatch(r"sm_\d+[a-z]?", arch):
         raise ValueError(f"arch must look like 'sm_80', got {arch!r}")
-    if isinstance(name_expressions, str):
-        raise TypeError("name_expressions must be a sequence of strings, not one string")
     names = list(name_expressions)
-    opts = [*BASE_OPTIONS, *(f"-I{os.fspath(d)}" for d in include_dirs),
-            f"--gpu-architecture={arch}", "--ptxas-options=-v", *options]
+    opts = [*NVRTC_OPTIONS, *(f"-I{d}" for d in include_dirs), f"--gpu-architecture={arch}",
+            "--ptxas-options=-v", *options]
 
     err, prog = nvrtc.nvrtcCreateProgram(code.encode(), b"kernel.cu", 0, [], [])
     _check(nvrtc, err, "nvrtcCreateProgram")
@@ -200,15 +230,11 @@ def compile_check(code: str, name_expressions: Sequence[str], include_dirs: Sequ
             err, mangled = nvrtc.nvrtcGetLoweredName(prog, n.encode())
             _check(nvrtc, err, f"nvrtcGetLoweredName({n!r})")
             lowered[n] = mangled.decode() if isinstance(mangled, bytes) else str(mangled)
+        err, size = nvrtc.nvrtcGetPTXSize(prog)
+        _check(nvrtc, err, "nvrtcGetPTXSize")
+        buf = bytearray(size)
+        (err,) = nvrtc.nvrtcGetPTX(prog, buf)
+        _check(nvrtc, err, "nvrtcGetPTX")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-
-    usage = parse_ptxas_log(log)
-    report = {}
-    for n, mangled in lowered.items():
-        if mangled not in usage:
-            raise RuntimeError(
-                f"kernel {n!r} ({mangled}) is missing from the ptxas report for {arch}:\n{log}"
-            )
-        report[n] = usage[mangled]
-    return report
+    return log, lowered, bytes(buf).rstrip(b"\0").decode(errors="replace")

@@ -14,6 +14,12 @@ Bytes held after a stage are measured as:
   (tracemalloc's peak, restarted at every stage boundary and folded into
   ``Profile.peak_bytes``, the peak over the whole ``with`` block). On GPU both are the pool's
   ``used_bytes`` at the end of stages.
+
+On GPU the profile keeps out of what it measures: a stage records a pair of CUDA events on the
+current stream (no synchronization inside the step), the times are read once, with one
+synchronization, when the records are first read or the block ends, and tracemalloc (which
+would slow every host allocation of the launches) is stopped at the first GPU stage if
+``profile()`` started it.
 """
 
 from __future__ import annotations
@@ -46,15 +52,34 @@ class Profile:
     """Records of every stage entered while the profile is active; ``str()`` is a table."""
 
     def __init__(self):
-        self.records: dict[tuple[str, str], StageRecord] = {}
+        self._records: dict[tuple[str, str], StageRecord] = {}
         self.peak_bytes = 0
         self.device = "cpu"
+        #: Whether ``profile()`` started tracemalloc (and so may stop it).
+        self.started_tracing = False
+        #: GPU stages whose events are not read yet: (record, start event, end event).
+        self._pending: list = []
+
+    @property
+    def records(self) -> dict[tuple[str, str], StageRecord]:
+        """Every stage's record, keyed by (phase, stage); GPU times are read on first access."""
+        self._resolve()
+        return self._records
+
+    def _resolve(self) -> None:
+        """Read the pending GPU stages' event times after one synchronization."""
+        if not self._pending:
+            return
+        cp = _backend.cupy_module()
+        self._pending[-1][2].synchronize()
+        for record, start, end in self._pending:
+            record.seconds += cp.cuda.get_elapsed_time(start, end) * 1e-3
+        self._pending.clear()
 
     def _held(self, gpu: bool) -> int:
         if gpu:
-            cp = _backend.cupy_module()
-            cp.cuda.Device().synchronize()
-            return int(cp.get_default_memory_pool().used_bytes())
+            # The pool's bookkeeping is host-side: allocations are counted when they are made.
+            return int(_backend.cupy_module().get_default_memory_pool().used_bytes())
         return tracemalloc.get_traced_memory()[0] if tracemalloc.is_tracing() else 0
 
     def fold_peak(self) -> int:
@@ -66,10 +91,14 @@ class Profile:
         tracemalloc.reset_peak()
         return peak
 
-    def add(self, phase: str, stage: str, seconds: float, gpu: bool) -> None:
-        record = self.records.setdefault((phase, stage), StageRecord(phase, stage))
+    def add(self, phase: str, stage: str, seconds, gpu: bool) -> None:
+        """Record one call: ``seconds`` a float, or on GPU the (start, end) CUDA events."""
+        record = self._records.setdefault((phase, stage), StageRecord(phase, stage))
         record.calls += 1
-        record.seconds += seconds
+        if gpu:
+            self._pending.append((record, *seconds))
+        else:
+            record.seconds += seconds
         record.bytes_held = self._held(gpu)
         if gpu:
             self.device = "gpu"
@@ -80,10 +109,11 @@ class Profile:
 
     def __str__(self) -> str:
         header = ("phase", "stage", "calls", "ms", "MiB held after", "MiB peak in stage")
+        records = self.records
         rows = [(r.phase, r.stage, str(r.calls), f"{r.seconds * 1e3:.2f}",
                  f"{r.bytes_held / 2**20:.2f}", f"{r.peak_bytes / 2**20:.2f}")
-                for r in self.records.values()]
-        rows.append(("total", "", "", f"{sum(r.seconds for r in self.records.values()) * 1e3:.2f}",
+                for r in records.values()]
+        rows.append(("total", "", "", f"{sum(r.seconds for r in records.values()) * 1e3:.2f}",
                      "", f"{self.peak_bytes / 2**20:.2f}"))
         widths = [max(len(x[i]) for x in [header] + rows) for i in range(len(header))]
         fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths))  # noqa: E731
@@ -101,17 +131,18 @@ def profile():
         >>> print(prof)
     """
     prof = Profile()
-    started = not tracemalloc.is_tracing()
-    if started:
+    prof.started_tracing = not tracemalloc.is_tracing()
+    if prof.started_tracing:
         tracemalloc.start()
     token = _active.set(prof)
     try:
         yield prof
     finally:
         _active.reset(token)
+        prof._resolve()
         if prof.device == "cpu":
             prof.fold_peak()
-        if started:
+        if prof.started_tracing and tracemalloc.is_tracing():
             tracemalloc.stop()
 
 
@@ -128,13 +159,17 @@ def stage(phase: str, name: str, like=None):
     if prof is None:
         yield
         return
-    gpu = _backend.is_cupy_array(like)
-    if gpu:
-        _backend.cupy_module().cuda.Device().synchronize()
-    else:
-        prof.fold_peak()  # the peak before this stage belongs to no stage of it
+    if _backend.is_cupy_array(like):
+        cp = _backend.cupy_module()
+        if prof.started_tracing and tracemalloc.is_tracing():
+            tracemalloc.stop()  # cupy arrays are not seen by it; it would slow the launches
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        yield
+        end.record()
+        prof.add(phase, name, (start, end), True)
+        return
+    prof.fold_peak()  # the peak before this stage belongs to no stage of it
     start = time.perf_counter()
     yield
-    if gpu:
-        _backend.cupy_module().cuda.Device().synchronize()
-    prof.add(phase, name, time.perf_counter() - start, gpu)
+    prof.add(phase, name, time.perf_counter() - start, False)

@@ -16,11 +16,12 @@ from .lowrank_residual import layer_norm_bwd_ref, layer_norm_ref, lowrank_residu
 from .lowrank_residual import lowrank_residual_ref
 
 
-def _layer_kwargs(plan, dropout, seed):
-    return dict(plan=plan, dropout=dropout, seed=seed)
+def _layer_kwargs(plan, dropout, seed, latent_mask):
+    return dict(plan=plan, dropout=dropout, seed=seed, latent_mask=latent_mask)
 
 
-def bdh_ref(params, ids, targets, *, level_seeds, plan=None, dropout=0.0, return_cache=False):
+def bdh_ref(params, ids, targets, *, level_seeds, plan=None, dropout=0.0, latent_mask=None,
+            return_cache=False):
     """Float64 mean cross-entropy of the model.
 
     Args:
@@ -28,6 +29,7 @@ def bdh_ref(params, ids, targets, *, level_seeds, plan=None, dropout=0.0, return
             [H * N, D]``, ``lm_head [D, V]``.
         ids, targets: [B, T] integer arrays.
         level_seeds: the dropout seed of each level (its length is ``n_layer``).
+        latent_mask: [H, N] bool active latent neurons of every level (None: all).
     """
     p = {k: np.asarray(v, dtype=np.float64) for k, v in params.items()}
     ids = np.asarray(ids)
@@ -41,7 +43,7 @@ def bdh_ref(params, ids, targets, *, level_seeds, plan=None, dropout=0.0, return
     for seed in level_seeds:
         inputs.append(x)
         x = lowrank_residual_ref(x, p["encoder"], p["encoder_v"], p["decoder"],
-                                 **_layer_kwargs(plan, dropout, seed))
+                                 **_layer_kwargs(plan, dropout, seed, latent_mask))
     rows = x.reshape(B * T, -1)
     logits = rows @ p["lm_head"]
     t = np.asarray(targets).reshape(-1)
@@ -56,10 +58,10 @@ def bdh_ref(params, ids, targets, *, level_seeds, plan=None, dropout=0.0, return
     return loss, dict(p=p, x0=x0, inputs=inputs, rows=rows, logits=logits, targets=t)
 
 
-def bdh_bwd_ref(params, ids, targets, *, level_seeds, plan=None, dropout=0.0):
+def bdh_bwd_ref(params, ids, targets, *, level_seeds, plan=None, dropout=0.0, latent_mask=None):
     """Float64 gradients of ``bdh_ref`` as a dict with the parameters' names."""
     _, c = bdh_ref(params, ids, targets, level_seeds=level_seeds, plan=plan, dropout=dropout,
-                   return_cache=True)
+                   latent_mask=latent_mask, return_cache=True)
     p = c["p"]
     ids = np.asarray(ids)
     B, T = ids.shape
@@ -78,7 +80,8 @@ def bdh_bwd_ref(params, ids, targets, *, level_seeds, plan=None, dropout=0.0):
     for x, seed in zip(reversed(c["inputs"]), reversed(list(level_seeds))):
         dx, de, dev, dd = lowrank_residual_bwd_ref(dx, x, p["encoder"], p["encoder_v"],
                                                    p["decoder"],
-                                                   **_layer_kwargs(plan, dropout, seed))
+                                                   **_layer_kwargs(plan, dropout, seed,
+                                                                   latent_mask))
         denc += de
         dencv += dev
         ddec += dd

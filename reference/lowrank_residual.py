@@ -200,8 +200,11 @@ def layer_norm_bwd_ref(dy, x):
                    - xhat * (dy * xhat).mean(axis=-1, keepdims=True))
 
 
-def dropout_keep_ref(shape, p, seed):
+def dropout_keep_ref(shape, p, seed, row_offset=0):
     """Keep mask of inverted dropout: a pure function of (seed, flat element index).
+
+    The flat index is that of the element in a batch whose first ``row_offset`` rows (of
+    ``shape[1:]`` each) come before this one.
 
     The hash is Wellons' "lowbias32" over ``lo + seed * HASH_SEED_MUL + hi * HASH_HIGH_MUL``
     (mod 2**32) of the 64-bit flat index split into halves; an element is kept when the hash is
@@ -210,15 +213,30 @@ def dropout_keep_ref(shape, p, seed):
     size = math.prod(shape)
     threshold = min(int(round(p * 2.0**32)), 2**32)
     keep = np.zeros(size, dtype=bool)
-    for i in range(size):
+    first = row_offset * math.prod(shape[1:])
+    for j in range(size):
+        i = first + j
         x = ((i & 0xFFFFFFFF) + seed * HASH_SEED_MUL + (i >> 32) * HASH_HIGH_MUL) & 0xFFFFFFFF
         x ^= x >> 16
         x = (x * 0x7FEB352D) & 0xFFFFFFFF
         x ^= x >> 15
         x = (x * 0x846CA68B) & 0xFFFFFFFF
         x ^= x >> 16
-        keep[i] = x >= threshold
+        keep[j] = x >= threshold
     return keep.reshape(shape)
+
+
+def block_mask_ref(block_size, active, H, N):
+    """[H, N] bool latent mask of a block pattern: neuron n of head h is active when block
+    ``n // block_size`` is (``active`` [blocks] shared by the heads, or [H, blocks])."""
+    act = np.asarray(active, dtype=bool)
+    if act.ndim == 1:
+        act = np.broadcast_to(act, (H, act.size))
+    mask = np.zeros((H, N), dtype=bool)
+    for h in range(H):
+        for n in range(N):
+            mask[h, n] = act[h, n // block_size]
+    return mask
 
 
 # -- the layer ------------------------------------------------------------------------------------
@@ -232,10 +250,12 @@ def _formats(plan, which):
 
 def lowrank_residual_ref(current, encoder, encoder_v, decoder, *, attention="causal_linear",
                          lengths=None, plan=None, relu_threshold=0.0, dropout=0.0, seed=0,
-                         return_cache=False):
+                         row_offset=0, latent_mask=None, return_cache=False):
     """Float64 forward of the layer.
 
-    Shapes: current [B, T, D], encoders [H, D, N], decoder [H * N, D].
+    Shapes: current [B, T, D], encoders [H, D, N], decoder [H * N, D]; ``latent_mask`` [H, N]
+    bool (None: every latent neuron active): inactive neurons are exactly zero in ``x_neuron``
+    and ``y_gate`` (so in ``y_neuron``), whatever the threshold (see ``block_mask_ref``).
 
     Returns ``next`` [B, T, D] (and the intermediates when ``return_cache``).
     """
@@ -248,10 +268,12 @@ def lowrank_residual_ref(current, encoder, encoder_v, decoder, *, attention="cau
     enc_q = [quantize_weight_ref(encoder[h], wx) for h in range(H)]
     encv_q = [quantize_weight_ref(encoder_v[h], wy) for h in range(H)]
     dec_q = quantize_weight_ref(decoder, wr)
-    keep = dropout_keep_ref((B, H, T, N), dropout, seed) if dropout > 0 else np.ones(
+    keep = dropout_keep_ref((B, H, T, N), dropout, seed, row_offset) if dropout > 0 else np.ones(
         (B, H, T, N), dtype=bool)
     drop_scale = 1.0 / (1.0 - dropout)
     cur_q = quantize_activation_ref(cur, ax_)
+    on = (np.ones((H, N), dtype=bool) if latent_mask is None else
+          np.asarray(latent_mask, dtype=bool))[None, :, None, :]
     x_pre = np.zeros((B, H, T, N))
     a = np.zeros((B, H, T, D))
     y_pre = np.zeros((B, H, T, N))
@@ -259,15 +281,15 @@ def lowrank_residual_ref(current, encoder, encoder_v, decoder, *, attention="cau
     for b in range(B):
         for h in range(H):
             x_pre[b, h] = cur_q[b] @ enc_q[h] - relu_threshold
-            xn = np.maximum(x_pre[b, h], 0.0)
+            xn = np.maximum(x_pre[b, h], 0.0) * on[0, h]
             if attention == "causal_linear":
                 a[b, h] = causal_linear_ref(xn, cur[b], lengths)
             else:
                 a[b, h] = softmax_attention_ref(xn, cur[b], lengths)
             a_hat_q[b, h] = quantize_activation_ref(layer_norm_ref(a[b, h]), ay)
             y_pre[b, h] = a_hat_q[b, h] @ encv_q[h] - relu_threshold
-    x_neuron = np.maximum(x_pre, 0.0)
-    y_gate = np.maximum(y_pre, 0.0)
+    x_neuron = np.maximum(x_pre, 0.0) * on
+    y_gate = np.maximum(y_pre, 0.0) * on
     y_neuron = x_neuron * y_gate * np.where(keep, drop_scale, 0.0)
     flat = y_neuron.transpose(0, 2, 1, 3).reshape(B, T, H * N)
     flat_q = quantize_activation_ref(flat, ar)
@@ -304,7 +326,7 @@ def lowrank_residual_bwd_ref(dnext, current, encoder, encoder_v, decoder, **kwar
     dmix = dy_neuron * np.where(c["keep"], c["drop_scale"], 0.0)
     dx_neuron = dmix * c["y_gate"]
     dy_gate = dmix * c["x_neuron"]
-    dy_pre = dy_gate * (c["y_pre"] > 0)
+    dy_pre = dy_gate * (c["y_gate"] > 0)
     denc = np.zeros(encoder.shape)
     dencv = np.zeros(encoder_v.shape)
     for b in range(B):
@@ -318,7 +340,7 @@ def lowrank_residual_bwd_ref(dnext, current, encoder, encoder_v, decoder, **kwar
             else:
                 dxa, dva = softmax_attention_bwd_ref(da, xn, cur[b], lengths)
             dcur[b] += dva
-            dx_pre = (dx_neuron[b, h] + dxa) * (c["x_pre"][b, h] > 0)
+            dx_pre = (dx_neuron[b, h] + dxa) * (xn > 0)
             denc[h] += c["cur_q"][b].T @ dx_pre
             dcur[b] += dx_pre @ c["enc_q"][h].T
     return dcur, denc, dencv, ddec

@@ -1,4 +1,5 @@
-"""Reference packed matmul and the straight-through linear layer: float64, explicit loops.
+"""Reference packed matmul and the straight-through linear layer: float64 or exact integer sums,
+explicit loops.
 
 Checked against: lowbit/ops/packed_matmul/ (every backend), tests/test_packed_matmul.py. Uses
 ``reference/quantize.py`` for codes and scales.
@@ -89,4 +90,50 @@ def linear_bwd_ref(dy, x, w, weight_format, act_format="int8"):
     for k in range(K):
         for n in range(N):
             dw[k, n] = sum(a[m, k] * g[m, n] for m in range(g.shape[0]))
+    return dx.reshape(np.shape(x)), dw
+
+
+def linear_bwd_int8_ref(dy, x, w, weight_format, act_format="int8"):
+    """Straight-through backward with int8 gradient codes (``grad_format="int8"``): exact integer
+    sums of codes, scales applied in float32.
+
+    ``g`` is ``dy`` in float32, [M, N] rows; ``codes_a``, ``scale_a`` the activation codes of
+    ``x``; ``codes_w`` [K, N], ``scale_w`` the weight codes.
+
+    - dx: the rows of ``g`` (times ``scale_w`` for "int8" weights, in float32) quantized per row
+      to ``(cg, sg)``; ``dx[m, k] = float32(sum_n cg[m, n] codes_w[k, n]) * sg[m] * s``, rounded
+      in float32 in that order, ``s`` = ``scale_w`` for ternary / sign and 1 for int8;
+    - dw: ``c[n, m] = float32(scale_a[m] * g[m, n])`` quantized per row n (over m) to
+      ``(cc, sc)``; ``dw[k, n] = float32(sum_m codes_a[m, k] cc[n, m]) * sc[n]``.
+
+    Args:
+        dy: [..., N]; x: [..., K]; w: [K, N]; weight_format, act_format: not None.
+
+    Returns:
+        ``(dx, dw)``: float32 of ``x``'s shape and [K, N].
+    """
+    codes_w, scale_w = weight_codes_ref(w, weight_format)
+    K, N = codes_w.shape
+    codes_a, scale_a = quantize_activation_ref(np.asarray(x).reshape(-1, K), act_format)
+    g = np.asarray(dy).astype(np.float32).reshape(-1, N)
+    M = g.shape[0]
+    per_tensor = np.ndim(scale_w) == 0
+    rows = g if per_tensor else g * scale_w.astype(np.float32)
+    cg, sg = quantize_activation_ref(rows, "int8")
+    s = np.float32(scale_w) if per_tensor else np.float32(1)
+    dx = np.zeros((M, K), dtype=np.float32)
+    for m in range(M):
+        for k in range(K):
+            acc = sum(int(cg[m, n]) * int(codes_w[k, n]) for n in range(N))
+            dx[m, k] = np.float32(np.float32(acc) * sg[m]) * s
+    columns = np.zeros((N, M), dtype=np.float32)
+    for m in range(M):
+        for n in range(N):
+            columns[n, m] = np.float32(scale_a[m] * g[m, n])
+    cc, sc = quantize_activation_ref(columns, "int8")
+    dw = np.zeros((K, N), dtype=np.float32)
+    for k in range(K):
+        for n in range(N):
+            acc = sum(int(codes_a[m, k]) * int(cc[n, m]) for m in range(M))
+            dw[k, n] = np.float32(acc) * sc[n]
     return dx.reshape(np.shape(x)), dw

@@ -5,42 +5,45 @@ the fixture the backend is forced (strict dispatch) and every output a backend a
 poisoned with NaN, so an element a kernel forgets to write fails its comparison. Tests with the
 cuda parameter carry the ``gpu`` mark (``pytest -m gpu``, run by ``python -m bench.gpu``).
 The ``never_runs`` fixture proves that validation fires before any backend code.
+
+Hypothesis profiles of the property tests (``tests/properties/``): ``ci`` (the default: 15
+derandomized examples a test, no database, so a run is reproducible and nothing is written into
+the repository) and ``thorough`` (``pytest --hypothesis-profile=thorough``: 400 random examples,
+a database under the system temporary directory so a long run's failures replay on the next).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 import inspect
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 import lowbit
 import lowbit.ops
 from lowbit import _backend, _dispatch
 
+from helpers import Backend
 
-@dataclasses.dataclass(frozen=True)
-class Backend:
-    """The backend under test, with its array module for moving test data."""
-
-    name: str
-
-    @property
-    def xp(self):
-        return _backend.cupy_module() if self.name == "cuda" else np
-
-    def to(self, x):
-        """Host array -> this backend's array kind (``None`` passes through)."""
-        if x is None or self.name != "cuda":
-            return x
-        return self.xp.asarray(x)
-
-    def __str__(self):
-        return self.name
+#: Settings both profiles share (examples are slow to make: no deadline, no size checks).
+_COMMON = dict(deadline=None, print_blob=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                      HealthCheck.function_scoped_fixture])
+settings.register_profile("ci", max_examples=15, database=None, derandomize=True, **_COMMON)
+settings.register_profile(
+    "thorough", max_examples=400, derandomize=False,
+    database=DirectoryBasedExampleDatabase(
+        os.path.join(tempfile.gettempdir(), "lowbit-hypothesis")),
+    **_COMMON)
+if settings.get_current_profile_name() == "default":
+    settings.load_profile("ci")
 
 
 BACKEND_PARAMS = [

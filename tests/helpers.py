@@ -1,11 +1,17 @@
-"""Shared test helpers: named float comparisons and central finite differences.
+"""Shared test helpers: named float comparisons, central finite differences, the ``Backend`` the
+``backend`` fixture of ``tests/conftest.py`` yields, and layer inputs.
 
-Used by every ``tests/test_<op>.py``; the ``backend`` fixture lives in ``tests/conftest.py``.
+Used by every ``tests/test_<op>.py`` (import from here, never from ``conftest``: the property
+tests' folder has a conftest of its own).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+
+from lowbit import _backend
 
 
 def to_numpy(x):
@@ -70,3 +76,34 @@ def numerical_grad(f, x, eps=1e-6):
         flat[i] = keep
         grad.reshape(-1)[i] = (plus - minus) / (2 * eps)
     return grad
+
+
+def lowrank_inputs(rng, B, T, D, H, N, dtype=np.float32):
+    """``(current, encoder, encoder_v, decoder)`` of a low-rank residual layer: unit-variance
+    input, 1/sqrt(fan-in) weights."""
+    current = rng.standard_normal((B, T, D)).astype(dtype)
+    encoder = (rng.standard_normal((H, D, N)) / np.sqrt(D)).astype(dtype)
+    encoder_v = (rng.standard_normal((H, D, N)) / np.sqrt(D)).astype(dtype)
+    decoder = (rng.standard_normal((H * N, D)) / np.sqrt(H * N)).astype(dtype)
+    return current, encoder, encoder_v, decoder
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """The backend under test (the ``backend`` fixture of ``conftest.py`` yields one), with its
+    array module for moving test data."""
+
+    name: str
+
+    @property
+    def xp(self):
+        return _backend.cupy_module() if self.name == "cuda" else np
+
+    def to(self, x):
+        """Host array -> this backend's array kind (``None`` passes through)."""
+        if x is None or self.name != "cuda":
+            return x
+        return self.xp.asarray(x)
+
+    def __str__(self):
+        return self.name

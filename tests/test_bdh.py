@@ -10,6 +10,7 @@ from helpers import assert_close, assert_equal, to_numpy
 import lowbit
 from lowbit.models import bdh
 from lowbit.reference.bdh import bdh_bwd_ref, bdh_ref
+from lowbit.reference.lowrank_residual import block_mask_ref
 
 TINY = dict(n_layer=2, n_embd=8, n_head=2, mlp_internal_dim_multiplier=4, vocab_size=16)
 LOWBIT = lowbit.LowBitPlan.uniform("ternary", "int8")
@@ -73,6 +74,30 @@ def test_model_matches_reference(backend, rng, plan, dropout):
         assert_close(f"d{name}", ref[name], grads[name], 2e-3)
     for name in bdh.PARAMS:
         np.testing.assert_array_equal(to_numpy(dev[name]), keep[name])
+
+
+@pytest.mark.parametrize("plan", [lowbit.LowBitPlan(), LOWBIT], ids=["fp32", "ternary-int8"])
+def test_model_with_a_latent_pattern_matches_reference(backend, rng, plan):
+    pattern = lowbit.BlockPattern(4, np.array([[True, False, False, True],
+                                               [False, True, False, False]]))
+    config = bdh.BDHConfig(**TINY, dropout=0.3, plan=plan, latent_pattern=pattern)
+    params = _params(config)
+    ids, targets = _data(rng)
+    dev = {k: backend.to(v) for k, v in params.items()}
+    loss, ctx = bdh.forward(config, dev, backend.to(ids), backend.to(targets), seed=2)
+    grads = bdh.backward(ctx)
+    mask = block_mask_ref(4, pattern.active, config.n_head, config.n_latent)
+    kwargs = dict(level_seeds=_seeds(config, 2), plan=plan, dropout=0.3, latent_mask=mask)
+    assert_close("loss", np.asarray(bdh_ref(params, ids, targets, **kwargs)), loss, 1e-5)
+    ref = bdh_bwd_ref(params, ids, targets, **kwargs)
+    for name in bdh.PARAMS:
+        assert_close(f"d{name}", ref[name], grads[name], 2e-3)
+    assert not to_numpy(grads["decoder"])[~mask.reshape(-1)].any()
+
+
+def test_config_rejects_a_pattern_of_another_shape():
+    with pytest.raises(ValueError, match="latent_pattern"):
+        bdh.BDHConfig(**TINY, latent_pattern=lowbit.BlockPattern(2, [True, False]))
 
 
 def test_forward_is_deterministic_and_dropout_is_keyed_by_seed(rng):
@@ -152,3 +177,30 @@ def test_bad_input_names_the_argument(never_runs, rng, change, error, word):
 def test_bad_config(kwargs, word):
     with pytest.raises((ValueError, TypeError), match=word):
         bdh.BDHConfig(**dict(TINY, **kwargs))
+
+
+def test_training_with_a_fixed_latent_pattern_learns_and_checkpoints(tmp_path):
+    from lowbit.models import train
+
+    pattern = lowbit.BlockPattern(4, np.array([True, False, True, False]))
+    config = bdh.BDHConfig(**dict(TINY, vocab_size=256), plan=LOWBIT, saved="sparse",
+                           latent_pattern=pattern)
+    params = bdh.init_params(config, seed=1)
+    batches = train.Batches(train.default_corpus(), block=16, batch=4, seed=0)
+    schedule = train.Schedule("bitnet", lr=3e-3, warmup=2, steps=30)
+    history = train.train(config, params, batches, schedule, progress=False)
+    losses = [loss for _, loss in history["train"]]
+    assert np.mean(losses[-2:]) < np.mean(losses[:2]) - 0.3, losses
+    # No gradient reaches the inactive neurons: AdamW's weight decay alone scales them, by one
+    # factor for every element (the active ones moved by their gradients).
+    mask = block_mask_ref(4, pattern.active, config.n_head, config.n_latent)
+    init = bdh.init_params(config, seed=1)
+    for name, off in (("decoder", ~mask.reshape(-1)),
+                      ("encoder", np.broadcast_to(~mask[:, None, :], init["encoder"].shape))):
+        ratio = (params[name][off] / init[name][off]).ravel()
+        assert np.allclose(ratio, ratio[0], rtol=1e-4) and 0.9 < ratio[0] < 1, (name, ratio[:4])
+        moved = (params[name][~off] / init[name][~off]).ravel()
+        assert not np.allclose(moved, moved[0], rtol=1e-2), name
+    path = str(tmp_path / "ckpt.safetensors")
+    train.save_checkpoint(path, config, params, history["optimizer"], 30, batches)
+    assert train.load_checkpoint(path, config)["config"] == config

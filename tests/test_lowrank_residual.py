@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_close, assert_equal, numerical_grad, to_numpy
+from helpers import assert_close, assert_equal, lowrank_inputs, numerical_grad, to_numpy
 
 import lowbit
 from lowbit import _dispatch
@@ -25,12 +25,7 @@ from lowbit.reference.lowrank_residual import (
 )
 
 
-def _layer(rng, B, T, D, H, N, dtype=np.float32):
-    current = rng.standard_normal((B, T, D)).astype(dtype)
-    encoder = (rng.standard_normal((H, D, N)) / np.sqrt(D)).astype(dtype)
-    encoder_v = (rng.standard_normal((H, D, N)) / np.sqrt(D)).astype(dtype)
-    decoder = (rng.standard_normal((H * N, D)) / np.sqrt(H * N)).astype(dtype)
-    return current, encoder, encoder_v, decoder
+_layer = lowrank_inputs
 
 
 def _cosine(a, b):
@@ -137,6 +132,37 @@ def test_layer_matches_reference(backend, rng, attention, lengths, threshold, dr
     for name, k, a in zip(("current", "encoder", "encoder_v", "decoder", "dnext"), keep,
                           (current, encoder, encoder_v, decoder, dnext)):
         assert_equal(f"{name} unchanged", k, a)
+
+
+def test_row_offset_draws_the_dropout_masks_of_the_larger_batch(rng):
+    """Rows [1, 3) of a 3-row batch with row_offset=1 equal the same rows of the whole batch,
+    forward and dcurrent; the masks are the reference's for those global rows."""
+    current, encoder, encoder_v, decoder = _layer(rng, 3, 7, 6, 2, 8)
+    dnext = rng.standard_normal(current.shape).astype(np.float32)
+    kwargs = dict(dropout=0.4, seed=5)
+    whole, wctx = lowbit.lowrank_residual_forward(current, encoder, encoder_v, decoder, **kwargs)
+    part, pctx = lowbit.lowrank_residual_forward(current[1:], encoder, encoder_v, decoder,
+                                                 row_offset=1, **kwargs)
+    ref = lowrank_residual_ref(current[1:], encoder, encoder_v, decoder, row_offset=1, **kwargs)
+    assert_close("next (rows 1:3)", ref, part, rtol=2e-5)
+    assert_equal("next (rows 1:3)", whole[1:], part)
+    dwhole = lowbit.lowrank_residual_backward(dnext, wctx)[0]
+    dpart = lowbit.lowrank_residual_backward(dnext[1:], pctx)[0]
+    assert_equal("dcurrent (rows 1:3)", dwhole[1:], dpart)
+    shifted = lowbit.lowrank_residual(current[1:], encoder, encoder_v, decoder, **kwargs)
+    assert not np.array_equal(shifted, part)  # the offset changes the masks
+
+
+def test_dropout_indices_past_two_to_the_32(rng):
+    """A row offset that puts the flat dropout indices past 2**32 (the hash's 64-bit path; the
+    uint32 one below it) draws the reference's masks."""
+    B, T, D, H, N = 2, 5, 4, 2, 6
+    current, encoder, encoder_v, decoder = _layer(rng, B, T, D, H, N)
+    for offset in (2**32 // (H * T * N) - 1, 0):  # rows straddling 2**32, then small
+        kwargs = dict(dropout=0.5, seed=9, row_offset=offset)
+        assert_close("next", lowrank_residual_ref(current, encoder, encoder_v, decoder, **kwargs),
+                     lowbit.lowrank_residual(current, encoder, encoder_v, decoder, **kwargs),
+                     rtol=2e-5)
 
 
 def test_float64_input_is_computed_in_float32(rng):
@@ -276,6 +302,80 @@ def test_plan_matches_quantized_reference(backend, rng, projection, weight):
         assert_close(name, r, g, rtol=1e-3)
 
 
+@pytest.mark.parametrize("weight", ["ternary", None])
+def test_projection_from_saved_codes_is_the_forward_bitwise(backend, rng, weight):
+    """The backward's recomputation (straight_through_codes on the forward's codes) gives the
+    forward projection's bits, on every backend, with packed and float weights."""
+    from lowbit.ops.packed_matmul import straight_through_codes, straight_through_forward
+
+    M = 37 if backend.name != "cudasim" else 5
+    x = backend.to(rng.standard_normal((M, 24)).astype(np.float32))
+    w = backend.to(rng.standard_normal((24, 40)).astype(np.float32))
+    pw = lowbit.quantize_weight(w, weight) if weight else None
+    y, codes, scale = straight_through_forward(x, w, pw, "int8")
+    assert_equal("y", to_numpy(y), to_numpy(straight_through_codes(codes, scale, w, pw)))
+
+
+@pytest.mark.parametrize("policy", ["sparse", "int4"])
+def test_lossy_policy_with_quantized_activations_recomputes_from_codes(backend, rng, policy):
+    """A lossy policy under an int8-activation plan keeps the projections' codes, not
+    x_neuron / y_gate / a: fewer bytes than the same policy without the plan, the forward
+    unchanged bitwise, gradients close to the exact ones (every lossy difference is in current,
+    mlp and LN(a) held at int8 or coarser)."""
+    B, T, D, H, N = (2, 16, 8, 2, 32) if backend.name != "cudasim" else (1, 6, 4, 2, 8)
+    current, encoder, encoder_v, decoder = _layer(rng, B, T, D, H, N)
+    dnext = backend.to(rng.standard_normal((B, T, D)).astype(np.float32))
+    args = [backend.to(a) for a in (current, encoder, encoder_v, decoder)]
+    plan = lowbit.LowBitPlan.uniform("ternary", "int8")
+    kwargs = dict(plan=plan, relu_threshold=0.05, dropout=0.2, seed=3)
+    exact_out, exact = lowbit.lowrank_residual_forward(*args, **kwargs)
+    out, ctx = lowbit.lowrank_residual_forward(*args, saved=policy, **kwargs)
+    assert_equal("next", to_numpy(exact_out), to_numpy(out))
+    assert ctx.x_neuron is None and ctx.y_gate is None and ctx.attn is None
+    names = {row.name.split(".")[1].split("[")[0] for row in lowbit.memory_report(ctx).rows}
+    assert {"x_codes", "attn_codes", "resid_scale"} <= names
+    _, no_plan = lowbit.lowrank_residual_forward(*args, saved=policy, relu_threshold=0.05)
+    assert ctx.nbytes < no_plan.nbytes
+    bound = 0.999 if policy == "sparse" else 0.99
+    for name, a, b in zip(("dcurrent", "dencoder", "dencoder_v", "ddecoder"),
+                          lowbit.lowrank_residual_backward(dnext, exact),
+                          lowbit.lowrank_residual_backward(dnext, ctx)):
+        assert _cosine(a, b) >= bound, (name, _cosine(a, b))
+
+
+def test_packed_weights_given_once_equal_quantizing_each_call(rng):
+    current, encoder, encoder_v, decoder = _layer(rng, 2, 9, 8, 2, 12)
+    dnext = rng.standard_normal(current.shape).astype(np.float32)
+    plan = lowbit.LowBitPlan(x=("ternary", "int8"), residual=("int8", None))
+    packed = lowbit.quantize_layer_weights(encoder, encoder_v, decoder, plan)
+    assert set(packed) == {"encoder", "decoder"} and len(packed["encoder"]) == 2
+    out, ctx = lowbit.lowrank_residual_forward(current, encoder, encoder_v, decoder, plan=plan)
+    out2, ctx2 = lowbit.lowrank_residual_forward(current, encoder, encoder_v, decoder,
+                                                 plan=plan, packed=packed)
+    assert_equal("next", out, out2)
+    assert_equal("inference", out, lowbit.lowrank_residual(current, encoder, encoder_v, decoder,
+                                                           plan=plan, packed=packed))
+    for name, a, b in zip(("dcurrent", "dencoder", "dencoder_v", "ddecoder"),
+                          lowbit.lowrank_residual_backward(dnext, ctx),
+                          lowbit.lowrank_residual_backward(dnext, ctx2)):
+        assert_equal(name, a, b)
+
+
+def test_packed_weights_must_match_the_plan_and_shapes(never_runs, rng):
+    current, encoder, encoder_v, decoder = _layer(rng, 1, 5, 4, 2, 3)
+    plan = lowbit.LowBitPlan(x=("ternary", "int8"))
+    with never_runs.paused():
+        good = lowbit.quantize_layer_weights(encoder, encoder_v, decoder, plan)
+        sign = lowbit.quantize_layer_weights(encoder, encoder_v, decoder,
+                                             lowbit.LowBitPlan(x=("sign", "int8")))
+    for bad in ({}, {"encoder": good["encoder"][:1]}, sign, {**good, "decoder": None}, [good]):
+        with pytest.raises(ValueError, match="packed"):
+            lowbit.lowrank_residual_forward(current, encoder, encoder_v, decoder, plan=plan,
+                                            packed=bad)
+    with pytest.raises(TypeError, match="plan"):
+        lowbit.quantize_layer_weights(encoder, encoder_v, decoder, ("ternary", "int8"))
+
+
 def test_plan_sgd_lowers_the_loss(rng):
     B, T, D, H, N = 2, 16, 16, 2, 32
     current, encoder, encoder_v, decoder = _layer(rng, B, T, D, H, N)
@@ -340,6 +440,8 @@ def test_bad_arrays_name_the_argument(never_runs, rng, index, name, bad, exc):
     (dict(relu_threshold=float("nan")), "relu_threshold", ValueError),
     (dict(dropout=1.0), "dropout", ValueError),
     (dict(seed=-1), "seed", ValueError),
+    (dict(row_offset=-1), "row_offset", ValueError),
+    (dict(row_offset=1.5), "row_offset", TypeError),
 ])
 def test_bad_options_name_the_argument(never_runs, rng, kwargs, name, exc):
     with pytest.raises(exc, match=name):

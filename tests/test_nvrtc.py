@@ -1,20 +1,28 @@
 """Tests of the NVRTC compile check ``lowbit/_nvrtc.py`` on the test kernels of
-``tests/cuda/sim_kernels.cu`` (the same list ``tests/test_cudasim.py`` runs on the CPU).
+``tests/cuda/sim_kernels.cu`` (the same list ``tests/test_cudasim.py`` runs on the CPU), of every
+op's kernels, and of the compile options ``lowbit._kernels.NVRTC_OPTIONS`` (IEEE subnormals and
+division, no contraction): in the PTX, and on subnormal inputs on every backend.
 
-Needs ``cuda-bindings`` and ``nvidia-cuda-nvrtc`` (the ``test`` extra), not a GPU.
+The NVRTC tests need ``cuda-bindings`` and ``nvidia-cuda-nvrtc`` (the ``test`` extra), not a GPU.
 """
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 
-from lowbit import _nvrtc
+import lowbit
+from lowbit import _kernels, _nvrtc
+from lowbit.reference.saved_activation import pack_activation_ref, unpack_activation_ref
 
 from test_cudasim import INCLUDE_DIRS, NAME_EXPRESSIONS, SOURCE
 
-pytestmark = pytest.mark.skipif(not _nvrtc.available(), reason=_nvrtc.unavailable_reason())
+needs_nvrtc = pytest.mark.skipif(not _nvrtc.available(), reason=_nvrtc.unavailable_reason())
 
 
+@needs_nvrtc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_test_kernels_compile_without_spills(arch):
     report = _nvrtc.compile_check(SOURCE, NAME_EXPRESSIONS, INCLUDE_DIRS, arch)
@@ -26,12 +34,14 @@ def test_test_kernels_compile_without_spills(arch):
     assert report["transpose_tiled"]["shared"] == 32 * 33 * 4
 
 
+@needs_nvrtc
 def test_compile_error_carries_the_log():
     broken = 'extern "C" __global__ void k(float* x) { x[0] = undefined_name_42; }'
     with pytest.raises(RuntimeError, match="undefined_name_42"):
         _nvrtc.compile_check(broken, ["k"], [], "sm_80")
 
 
+@needs_nvrtc
 def test_standard_headers_are_not_available():
     # Kernels must not include standard headers: NVRTC (without a CUDA toolkit) has none.
     with pytest.raises(RuntimeError, match="cstdint"):
@@ -75,11 +85,10 @@ def _op_launchers():
         yield pytest.param(launcher, id=info.name)
 
 
+@needs_nvrtc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("launcher", list(_op_launchers()))
 def test_every_op_kernel_compiles_without_spills(launcher, arch):
-    from lowbit import _kernels
-
     report = _nvrtc.compile_check(_kernels.source(launcher.SOURCE), launcher.NAME_EXPRESSIONS,
                                   [str(_kernels.cuda_dir())], arch)
     assert set(report) == set(launcher.NAME_EXPRESSIONS)
@@ -87,3 +96,126 @@ def test_every_op_kernel_compiles_without_spills(launcher, arch):
         print(f"{launcher.SOURCE} {arch} {name}: {usage['registers']} registers, "
               f"{usage['shared']} B static shared, {usage['stack']} B stack")
         assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0, (name, usage)
+
+
+#: PTX arithmetic that flushes subnormals to zero.
+FLUSHING = re.compile(r"\b(?:add|sub|mul|fma|mad|div|sqrt|min|max|setp|cvt|neg|abs)\.\S*ftz\S*")
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("launcher", list(_op_launchers()))
+def test_every_op_kernel_keeps_subnormals_and_ieee_division(launcher):
+    ptx = _nvrtc.compile_ptx(_kernels.source(launcher.SOURCE), launcher.NAME_EXPRESSIONS,
+                             [str(_kernels.cuda_dir())], "sm_90")
+    # libdevice's exp and double division start from ex2.approx.ftz / rcp.approx.ftz on
+    # range-reduced values whatever the flag; the kernels' own arithmetic must not flush.
+    assert FLUSHING.findall(ptx) == []
+    assert "div.approx" not in ptx and "div.full" not in ptx and "sqrt.approx" not in ptx
+
+
+@needs_nvrtc
+def test_a_trailing_ftz_true_would_flush_subnormals():
+    # CuPy appends -ftz=true to the options it is given, and NVRTC's last option wins: the reason
+    # lowbit compiles through NVRTC itself on a GPU (lowbit/_kernels.py).
+    from lowbit.ops.quantize import _cuda as launcher
+
+    args = (_kernels.source(launcher.SOURCE), launcher.NAME_EXPRESSIONS,
+            [str(_kernels.cuda_dir())], "sm_90")
+    assert FLUSHING.findall(_nvrtc.compile_ptx(*args)) == []
+    assert FLUSHING.findall(_nvrtc.compile_ptx(*args, options=["-ftz=true"]))
+    assert "-ftz=false" in _kernels.NVRTC_OPTIONS and "-fmad=false" in _kernels.NVRTC_OPTIONS
+
+
+#: float32 subnormals (the smallest normal is 1.18e-38): flushed to zero under -ftz=true.
+SUBNORMALS = np.array([[1e-40, 3e-40, -2e-41, 5e-39, 0.0, 7e-45, -1e-39, 2e-40]], np.float32)
+
+
+def test_subnormal_activations_pack_bitwise_like_the_reference(backend):
+    # A group spanning less than the scale floor keeps only its minimum, a subnormal: exact.
+    packed = lowbit.pack_activation(backend.to(SUBNORMALS), "int8", group_size=4)
+    ref = pack_activation_ref(SUBNORMALS, "int8", group_size=4)
+    mins = packed.mins.get() if backend.name == "cuda" else packed.mins
+    np.testing.assert_array_equal(mins.view(np.uint32), ref["mins"].view(np.uint32))
+    assert np.count_nonzero(ref["mins"]) == 2
+    out = packed.unpack()
+    out = out.get() if backend.name == "cuda" else out
+    expected = unpack_activation_ref(ref, SUBNORMALS.shape, "int8", group_size=4)
+    np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
+
+
+def test_subnormal_products_survive_the_float_matmul(backend):
+    # x subnormal times ternary codes and a scale near one: the products stay subnormal.
+    w = np.array([[1.0, -1.0], [1.0, 1.0]], np.float32)
+    x = np.array([[3e-39, 1e-39]], np.float32)
+    pw = lowbit.quantize_weight(backend.to(w), "ternary")
+    y = lowbit.packed_matmul(backend.to(x), pw, act_format=None)
+    y = y.get() if backend.name == "cuda" else y
+    expected = (x.astype(np.float64) @ np.array([[1, -1], [1, 1]])).astype(np.float32)
+    np.testing.assert_array_equal(y, expected)
+    assert np.all(expected != 0) and np.all(np.abs(expected) < np.finfo(np.float32).tiny)
+
+
+class _CupyStyleNvrtc:
+    """CuPy's NVRTC binding (``cupy_backends.cuda.libs.nvrtc``), played by cuda.bindings: the
+    calls ``lowbit._kernels._compile_cubin`` makes on a GPU machine, recorded."""
+
+    class NVRTCError(RuntimeError):
+        pass
+
+    def __init__(self):
+        self.nvrtc, _ = _nvrtc._load()
+        self.compiled_with = []
+
+    def _ok(self, result):
+        if result[0] != self.nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise self.NVRTCError(str(result[0]))
+        return result[1:]
+
+    def getVersion(self):
+        return tuple(self._ok(self.nvrtc.nvrtcVersion()))
+
+    def createProgram(self, src, name, headers, include_names):
+        return self._ok(self.nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), 0, [], []))[0]
+
+    def addNameExpression(self, prog, name):
+        self._ok(self.nvrtc.nvrtcAddNameExpression(prog, name.encode()))
+
+    def compileProgram(self, prog, options):
+        self.compiled_with.append(list(options))
+        self._ok(self.nvrtc.nvrtcCompileProgram(prog, len(options),
+                                                [o.encode() for o in options]))
+
+    def getLoweredName(self, prog, name):
+        return self._ok(self.nvrtc.nvrtcGetLoweredName(prog, name.encode()))[0].decode()
+
+    def getCUBIN(self, prog):
+        (size,) = self._ok(self.nvrtc.nvrtcGetCUBINSize(prog))
+        buf = bytearray(size)
+        self._ok(self.nvrtc.nvrtcGetCUBIN(prog, buf))
+        return bytes(buf)
+
+    def getProgramLog(self, prog):
+        return _nvrtc._program_log(self.nvrtc, prog)
+
+    def destroyProgram(self, prog):
+        self._ok(self.nvrtc.nvrtcDestroyProgram(prog))
+
+
+@needs_nvrtc
+def test_gpu_load_compiles_with_lowbits_options_once_into_the_cache(tmp_path, monkeypatch):
+    from lowbit.ops.pack_bits import _cuda as launcher
+
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    fake = _CupyStyleNvrtc()
+    args = (fake, _kernels.source(launcher.SOURCE), launcher.NAME_EXPRESSIONS,
+            _kernels.NVRTC_OPTIONS + (f"-I{_kernels.cuda_dir()}",), "sm_90")
+    cubin, lowered = _kernels._compile_cubin(*args)
+    # lowbit's options are the last word: nothing after them turns flushing back on.
+    (options,) = fake.compiled_with
+    assert options[:len(_kernels.NVRTC_OPTIONS)] == list(_kernels.NVRTC_OPTIONS)
+    assert not any("ftz=true" in o for o in options)
+    assert cubin.read_bytes()[:4] == b"\x7fELF"
+    assert set(lowered) == set(launcher.NAME_EXPRESSIONS)
+    assert all(name.startswith("_Z") for name in lowered.values())
+    again = _kernels._compile_cubin(*args)
+    assert again == (cubin, lowered) and len(fake.compiled_with) == 1

@@ -1,17 +1,19 @@
 """Tests of ``lowbit/ops/packed_matmul``: packed matmul and the straight-through linear layer.
 
-Every backend against ``reference/packed_matmul.py`` (forward and both gradients), the reference
-backward against central finite differences, ctx byte accounting, bad input. Kernels:
-``cuda/packed_matmul.cu`` (GEMV, tensor-core GEMM twin, dx, dw under cudasim).
+Every backend against ``reference/packed_matmul.py`` (forward, both gradients, and the backward
+with ``grad_format="int8"`` bit for bit), the reference backward against central finite
+differences, ctx byte accounting, bad input. Kernels: ``cuda/packed_matmul.cu`` (GEMV,
+tensor-core GEMM twin, dx, dw under cudasim); numba's AVX-512 tiles at their edges.
 """
 
 import numpy as np
 import pytest
-from conftest import Backend
+from helpers import Backend
 from helpers import assert_close, assert_equal, numerical_grad, to_numpy
 
 import lowbit
-from lowbit.reference.packed_matmul import linear_bwd_ref, linear_ref, packed_matmul_ref
+from lowbit.reference.packed_matmul import (linear_bwd_int8_ref, linear_bwd_ref, linear_ref,
+                                            packed_matmul_ref)
 from lowbit.reference.quantize import quantize_weight_ref
 
 FORMATS = ("ternary", "sign", "int8")
@@ -201,6 +203,118 @@ def test_linear_matches_reference(backend, rng, weight_format, act_format, M, K,
         np.testing.assert_array_equal(before, arr, err_msg=name)
 
 
+@pytest.mark.parametrize("weight_format", FORMATS)
+def test_backward_tiles_at_their_edges(backend, rng, weight_format):
+    """Shapes around the numba AVX-512 tiles of dx and dw (6 rows, 64 columns, 256 reduction
+    steps a panel block): 9 and 13 rows, K and N across 64 and past 256, M past one dw block; dw
+    from codes and from float activations."""
+    cases = ([(9, 45, 11)] if backend.name == "cudasim"
+             else [(9, 1, 1), (9, 65, 257), (257, 7, 65)])
+    for M, K, N in cases:
+        x, w = _data(rng, M, K, N)
+        dy = rng.standard_normal((M, N)).astype(np.float32)
+        _, ctx = lowbit.linear_forward(backend.to(x), backend.to(w), weight_format, "int8")
+        dx, dw = lowbit.linear_backward(backend.to(dy), ctx)
+        rdx, rdw = linear_bwd_ref(dy, x, w, weight_format, "int8")
+        assert_close(f"dx {M}x{K}x{N}", rdx, dx, rtol=1e-5)
+        assert_close(f"dw {M}x{K}x{N}", rdw, dw, rtol=1e-5)
+        _, ctx = lowbit.linear_forward(backend.to(x), backend.to(w), weight_format, None)
+        _, dw = lowbit.linear_backward(backend.to(dy), ctx)
+        assert_close(f"dw float x {M}x{K}x{N}", linear_bwd_ref(dy, x, w, weight_format, None)[1],
+                     dw, rtol=1e-5)
+
+
+@pytest.mark.parametrize("act_format", ["int8", None])
+def test_numba_dw_from_transposed_activations(monkeypatch, rng, act_format):
+    """numba's dw tiles on activations transposed first (what large ones get), at the edges of the
+    tiles and past one reduction block."""
+    from lowbit.ops.packed_matmul import _numba
+
+    monkeypatch.setattr(_numba, "DW_TRANSPOSE_MIN", 1)
+    for M, K, N in [(9, 65, 70), (257, 7, 65)]:
+        x, w = _data(rng, M, K, N)
+        dy = rng.standard_normal((M, N)).astype(np.float32)
+        with lowbit.use_backend("numba"):
+            _, ctx = lowbit.linear_forward(x, w, "ternary", act_format)
+            _, dw = lowbit.linear_backward(dy, ctx)
+        assert_close(f"dw {M}x{K}x{N}", linear_bwd_ref(dy, x, w, "ternary", act_format)[1], dw,
+                     rtol=1e-5)
+
+
+@pytest.mark.parametrize("weight_format", FORMATS)
+def test_numba_backward_without_avx512(monkeypatch, rng, weight_format):
+    """The numba backward where the CPU has neither AVX-512 kernel family: BLAS on decoded tiles
+    (exact gradients) and float64 BLAS on the codes (int8 gradients)."""
+    from lowbit.ops.packed_matmul import _numba
+    from lowbit.ops.packed_matmul._numba import _fma
+
+    monkeypatch.setattr(_fma, "AVAILABLE", False)
+    monkeypatch.setattr(_numba, "USE_VNNI", False)
+    x, w = _data(rng, 9, 70, 67)
+    dy = rng.standard_normal((9, 67)).astype(np.float32)
+    with lowbit.use_backend("numba"):
+        _, ctx = lowbit.linear_forward(x, w, weight_format, "int8")
+        dx, dw = lowbit.linear_backward(dy, ctx)
+        idx, idw = lowbit.linear_backward(dy, ctx, grad_format="int8")
+    rdx, rdw = linear_bwd_ref(dy, x, w, weight_format, "int8")
+    assert_close("dx", rdx, dx, rtol=1e-5)
+    assert_close("dw", rdw, dw, rtol=1e-5)
+    rdx, rdw = linear_bwd_int8_ref(dy, x, w, weight_format, "int8")
+    assert_equal("dx int8", rdx, idx)
+    assert_equal("dw int8", rdw, idw)
+
+
+# (weight_format, act_format, M, K, N): one row (the GEMV kernels forward), 6-row tiles with a
+# remainder, K and N past one 64-column panel, N not a multiple of 4 (the VNNI groups)
+INT8_GRAD_CASES = [
+    ("ternary", "int8", 1, 37, 5),
+    ("ternary", "int8", 20, 70, 67),
+    ("sign", "int4", 33, 40, 33),
+    ("int8", "int8", 13, 65, 30),
+]
+
+
+@pytest.mark.parametrize("weight_format,act_format,M,K,N", INT8_GRAD_CASES)
+def test_int8_gradients_match_reference_exactly(backend, rng, weight_format, act_format, M, K,
+                                                N):
+    x, w = _data(rng, M, K, N)
+    x = x.reshape((2, M // 2, K)) if M % 2 == 0 else x
+    dy = rng.standard_normal(x.shape[:-1] + (N,)).astype(np.float32)
+    keep = (x.copy(), w.copy(), dy.copy())
+    _, ctx = lowbit.linear_forward(backend.to(x), backend.to(w), weight_format, act_format)
+    dx, dw = lowbit.linear_backward(backend.to(dy), ctx, grad_format="int8")
+    rdx, rdw = linear_bwd_int8_ref(dy, x, w, weight_format, act_format)
+    assert_equal("dx", rdx, dx)
+    assert_equal("dw", rdw, dw)
+    assert dx.shape == x.shape and dw.shape == w.shape
+    # an approximation of the exact gradients, and a close one
+    edx, edw = linear_bwd_ref(dy, x, w, weight_format, act_format)
+    assert_close("dx against the exact gradient", edx, dx, rtol=2e-2)
+    assert_close("dw against the exact gradient", edw, dw, rtol=2e-2)
+    for name, before, arr in zip(("x", "w", "dy"), keep, (x, w, dy)):
+        np.testing.assert_array_equal(before, arr, err_msg=name)
+    again = lowbit.linear_backward(backend.to(dy), ctx, grad_format="int8")
+    assert_equal("dx rerun", dx, again[0])
+    assert_equal("dw rerun", dw, again[1])
+
+
+def test_int8_gradients_at_largest_codes(backend):
+    """Every gradient and weight code at its largest magnitude: dx sums 127 * 127 * N (past 2^24,
+    so the float32 rounding of the exact sum is what is compared; under cudasim, whose dw kernel
+    runs an OS thread per CUDA thread, a short N)."""
+    M, K, N = 3, 5, 37 if backend.name == "cudasim" else 4099
+    x = np.ones((M, K), np.float32)
+    w = np.ones((K, N), np.float32)
+    w[1] *= -1
+    dy = np.ones((M, N), np.float32)
+    dy[2] *= -1
+    _, ctx = lowbit.linear_forward(backend.to(x), backend.to(w), "int8", "int8")
+    dx, dw = lowbit.linear_backward(backend.to(dy), ctx, grad_format="int8")
+    rdx, rdw = linear_bwd_int8_ref(dy, x, w, "int8", "int8")
+    assert_equal("dx", rdx, dx)
+    assert_equal("dw", rdw, dw)
+
+
 def test_linear_int_forward_equals_packed_matmul(backend, rng):
     x, w = _data(rng, 33, 40, 33)
     y, _ = lowbit.linear_forward(backend.to(x), backend.to(w), "ternary", "int8")
@@ -358,3 +472,25 @@ def test_backward_ctx_type():
     with pytest.raises(TypeError, match="ctx must be the LinearCtx"):
         lowbit.linear_backward(np.ones((2, 3), np.float32), object())
 
+
+@pytest.mark.parametrize("weight_format,act_format,grad_format,message", [
+    ("ternary", "int8", "int4", "grad_format must be None or one of"),
+    ("ternary", "int8", 8, "grad_format must be None or one of"),
+    (None, "int8", "int8", "grad_format='int8' needs a weight_format and an act_format"),
+    ("ternary", None, "int8", "grad_format='int8' needs a weight_format and an act_format"),
+])
+def test_backward_grad_format(never_runs, weight_format, act_format, grad_format, message):
+    with never_runs.paused():
+        _, ctx = lowbit.linear_forward(np.ones((2, 4), np.float32), np.ones((4, 3), np.float32),
+                                       weight_format, act_format)
+    with pytest.raises(ValueError, match=message):
+        lowbit.linear_backward(np.ones((2, 3), np.float32), ctx, grad_format=grad_format)
+
+
+def test_int8_gradients_non_finite_dy():
+    _, ctx = lowbit.linear_forward(np.ones((2, 4), np.float32), np.ones((4, 3), np.float32),
+                                   "ternary")
+    dy = np.ones((2, 3), np.float32)
+    dy[1, 2] = np.inf
+    with pytest.raises(ValueError, match="dy must be finite"):
+        lowbit.linear_backward(dy, ctx, grad_format="int8")

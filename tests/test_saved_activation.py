@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import Backend
+from helpers import Backend
 from helpers import assert_equal, to_numpy
 
 import lowbit

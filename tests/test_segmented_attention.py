@@ -89,6 +89,36 @@ def test_matches_reference_large(backend, rng, lengths, heads, kv_heads, dim, di
                              np.float32)
 
 
+# One past each block edge of the numba kernels (forward query blocks of 256 rows and key chunks
+# of 512, backward blocks of 256 keys by 256 queries), under one block, and a one-token segment.
+BLOCK_EDGES = [1, 129, 257, 513, 130]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_matches_reference_at_block_edges(backend, rng, causal):
+    if backend.name == "cudasim":
+        pytest.skip("thousands of tokens are too slow for the emulator; small shapes cover it")
+    _check_against_reference(backend, rng, BLOCK_EDGES, 2, 1, 64, 32, causal, np.float32)
+
+
+def test_causal_hides_large_later_scores(backend, rng):
+    # The last key of each segment scores ~10^3 against every query: causal masking must keep
+    # its overflowing exp out of the earlier rows, in the forward and in the recomputing backward.
+    lengths = [6, 9]
+    q, k, v, dout = _inputs(rng, lengths, 2, 1, 16, 8, np.float32)
+    q = np.abs(q)
+    for end in np.cumsum(lengths) - 1:
+        k[end] = 30.0
+    out, ctx = lowbit.segmented_attention_forward(backend.to(q), backend.to(k), backend.to(v),
+                                                  lengths, causal=True)
+    grads = lowbit.segmented_attention_backward(backend.to(dout), ctx)
+    assert_close("out", segmented_attention_ref(q, k, v, lengths, causal=True)[0], out, 1e-4,
+                 1e-4)
+    for name, ref, got in zip(("dq", "dk", "dv"), segmented_attention_bwd_ref(
+            dout, q, k, v, lengths, causal=True), grads):
+        assert_close(name, ref, got, 1e-4, 1e-4)
+
+
 def test_singleton_segments_return_v_exactly(backend, rng):
     q, k, v, _ = _inputs(rng, [1] * 5, 4, 2, 3, 6, np.float32)
     out = lowbit.segmented_attention(backend.to(q), backend.to(k), backend.to(v), [1] * 5)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from helpers import assert_equal
 
+import lowbit.io
 from lowbit.models import bdh, train
 
 TINY = dict(n_layer=1, n_embd=16, n_head=2, mlp_internal_dim_multiplier=4, dropout=0.1)
@@ -82,7 +83,7 @@ def test_checkpoint_resumes_bitwise_in_a_fresh_process(corpus, tmp_path):
     config, params, batches, history = _run(corpus, 8)
     one_run = {k: v.copy() for k, v in params.items()}
     config, params, batches, history = _run(corpus, 4, total=8)
-    path = str(tmp_path / "half.npz")
+    path = str(tmp_path / "half.safetensors")
     train.save_checkpoint(path, config, params, history["optimizer"], 4, batches)
     out = str(tmp_path / "resumed.npz")
     code = _RESUME.format(root=ROOT, path=path, steps=8, out=out)
@@ -96,7 +97,7 @@ def test_checkpoint_resumes_bitwise_in_a_fresh_process(corpus, tmp_path):
 
 def test_checkpoint_round_trip_and_bad_files(corpus, tmp_path, monkeypatch):
     config, params, batches, history = _run(corpus, 3)
-    path = str(tmp_path / "ckpt.npz")
+    path = str(tmp_path / "ckpt.safetensors")
     train.save_checkpoint(path, config, params, history["optimizer"], 3, batches)
     loaded = train.load_checkpoint(path, config)
     assert loaded["step"] == 3 and loaded["config"] == config
@@ -107,7 +108,7 @@ def test_checkpoint_round_trip_and_bad_files(corpus, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="another config"):
         train.load_checkpoint(path, other)
     # A truncated file: a clear error.
-    broken = tmp_path / "broken.npz"
+    broken = tmp_path / "broken.safetensors"
     broken.write_bytes(open(path, "rb").read()[:1000])
     with pytest.raises(ValueError, match="truncated"):
         train.load_checkpoint(str(broken))
@@ -117,11 +118,11 @@ def test_checkpoint_round_trip_and_bad_files(corpus, tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(np, "savez", fail)
+    monkeypatch.setattr(lowbit.io.safetensors, "_write_array", fail)
     with pytest.raises(KeyboardInterrupt):
         train.save_checkpoint(path, config, params, history["optimizer"], 4, batches)
     assert open(path, "rb").read() == before
-    assert sorted(os.listdir(tmp_path)) == ["broken.npz", "ckpt.npz"]
+    assert sorted(os.listdir(tmp_path)) == ["broken.safetensors", "ckpt.safetensors"]
 
 
 def test_corpus_shorter_than_a_block_is_refused():

@@ -21,11 +21,12 @@ import dataclasses
 import numpy as np
 
 from .. import _backend, _ctx, _dispatch, _validate
+from ..ops.lowrank_residual._pattern import latent_pattern
 from ..ops.cross_entropy import cross_entropy, cross_entropy_backward, cross_entropy_forward
 from ..ops.embedding import embedding, embedding_backward, embedding_forward
 from ..ops.layer_norm import layer_norm, layer_norm_backward, layer_norm_forward
 from ..ops.lowrank_residual import (LowBitPlan, lowrank_residual, lowrank_residual_backward,
-                                    lowrank_residual_forward)
+                                    lowrank_residual_forward, quantize_layer_weights)
 from ..ops.packed_matmul import linear_backward, linear_forward
 
 PARAMS = ("embed", "encoder", "encoder_v", "decoder", "lm_head")
@@ -48,6 +49,8 @@ class BDHConfig:
         vocab_size: 256 for bytes.
         plan: ``lowbit.LowBitPlan`` of the three projections (default: full precision).
         saved: saved-activation policy of every op (None: exact; a format or ``SavedConfig``).
+        latent_pattern: a ``lowbit.BlockPattern`` over each head's N latent neurons (None:
+            all): the step computes, saves and trains only the active blocks.
     """
 
     n_layer: int = 6
@@ -58,6 +61,7 @@ class BDHConfig:
     vocab_size: int = 256
     plan: LowBitPlan = LowBitPlan()
     saved: object = None
+    latent_pattern: object = None
 
     def __post_init__(self):
         for name in ("n_layer", "n_embd", "n_head", "mlp_internal_dim_multiplier", "vocab_size"):
@@ -74,6 +78,7 @@ class BDHConfig:
         from ..ops.saved_activation import saved_policy
 
         saved_policy(self.saved)
+        latent_pattern(self.latent_pattern, self.n_head, self.n_latent, "causal_linear")
 
     @property
     def n_latent(self) -> int:
@@ -141,7 +146,8 @@ def _level_seed(seed, level):
     return (seed * LEVEL_SEED_MUL + level) % 2**32
 
 
-def forward(config: BDHConfig, params: dict, ids, targets, *, seed: int = 0):
+def forward(config: BDHConfig, params: dict, ids, targets, *, seed: int = 0,
+            row_offset: int = 0):
     """Mean next-byte cross-entropy of the model on ``ids``, keeping what ``backward`` needs.
 
     Args:
@@ -151,6 +157,8 @@ def forward(config: BDHConfig, params: dict, ids, targets, *, seed: int = 0):
         targets: [B, T] integer array, the byte after each position (``-100`` is ignored, as in
             ``lowbit.cross_entropy``).
         seed: keys the dropout masks of this call (vary it per step); unused without dropout.
+        row_offset: global index of row 0 of ``ids`` in a larger batch: its dropout masks are
+            those of that batch's rows (data-parallel ranks reproduce the one-process run).
 
     Returns:
         ``(loss, ctx)``: loss a 0-d float32 array (nats per byte), ctx a ``BDHCtx``.
@@ -160,8 +168,9 @@ def forward(config: BDHConfig, params: dict, ids, targets, *, seed: int = 0):
     targets = _ids(targets, "targets", config, params["embed"])
     _validate.shape(targets, ids.shape, "targets", "ids'")
     seed = _validate.integer(seed, "seed", minimum=0)
+    row_offset = _validate.integer(row_offset, "row_offset", minimum=0)
     with _numba_blas(params["embed"]):
-        return _forward(config, params, ids, targets, seed)
+        return _forward(config, params, ids, targets, seed, row_offset)
 
 
 def _numba_blas(like):
@@ -169,15 +178,18 @@ def _numba_blas(like):
     return _backend.single_threaded_blas(_dispatch.select_backend(like) == "numba")
 
 
-def _forward(config, params, ids, targets, seed):
+def _forward(config, params, ids, targets, seed, row_offset):
     B, T = ids.shape
     emb, emb_ctx = embedding_forward(params["embed"], ids)
     x, norm_ctx = layer_norm_forward(emb, saved=config.saved)
     levels = []
+    weights = params["encoder"], params["encoder_v"], params["decoder"]
+    packed = quantize_layer_weights(*weights, config.plan)  # once: the levels share them
     for level in range(config.n_layer):
         x, ctx = lowrank_residual_forward(
-            x, params["encoder"], params["encoder_v"], params["decoder"], plan=config.plan,
-            saved=config.saved, dropout=config.dropout, seed=_level_seed(seed, level))
+            x, *weights, plan=config.plan, saved=config.saved, dropout=config.dropout,
+            seed=_level_seed(seed, level), row_offset=row_offset, packed=packed,
+            latent_pattern=config.latent_pattern)
         levels.append(ctx)
     logits, head_ctx = linear_forward(x.reshape(B * T, config.n_embd), params["lm_head"], None,
                                       None, saved=config.saved)
@@ -221,9 +233,11 @@ def logits(config: BDHConfig, params: dict, ids):
     B, T = ids.shape
     with _numba_blas(params["embed"]):
         x = layer_norm(embedding(params["embed"], ids))
+        weights = params["encoder"], params["encoder_v"], params["decoder"]
+        packed = quantize_layer_weights(*weights, config.plan)
         for _ in range(config.n_layer):
-            x = lowrank_residual(x, params["encoder"], params["encoder_v"], params["decoder"],
-                                 plan=config.plan)
+            x = lowrank_residual(x, *weights, plan=config.plan, packed=packed,
+                                 latent_pattern=config.latent_pattern)
         return (x.reshape(B * T, -1) @ params["lm_head"]).reshape(B, T, -1)
 
 

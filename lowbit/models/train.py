@@ -7,6 +7,11 @@ Reproducibility: batches come from a seeded ``numpy.random.Generator`` whose sta
 checkpoint, and the dropout masks of step ``s`` are keyed by ``(seed, s)``; so training N steps,
 saving, loading in a fresh process and training N more gives the same parameters, bitwise, as 2N
 steps in one run.
+
+Data parallelism: ``train(..., comm=lowbit.distributed.communicator())`` under ``mpiexec``; each
+rank draws its own rows (``Batches(..., rank=comm.rank)``) and the dropout masks are keyed by
+global row, so R ranks of batch b train as one process of batch R * b made of the same rows
+(``tests/test_distributed.py``, ``bench/train_distributed.py``).
 """
 
 from __future__ import annotations
@@ -14,23 +19,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import tempfile
 import time
-import zipfile
 
 import numpy as np
 
 from .. import _backend, _validate
+from ..distributed import Communicator
+from ..io import safetensors as checkpoint_file
 from ..ops.adamw import AdamW
-from ..ops.lowrank_residual import LowBitPlan
+from ..ops.lowrank_residual import BlockPattern, LowBitPlan
 from ..ops.saved_activation import SavedConfig
 from . import bdh
 
 #: Fraction of the corpus used for training; the rest is the validation split.
 TRAIN_FRACTION = 0.9
 #: Format version of the checkpoint files this module writes.
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: a lowbit.io safetensors file (1 was .npz)
 SCHEDULES = ("fp32", "bitnet")
 
 
@@ -48,15 +52,27 @@ def unigram_entropy(data) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+def rank_stream(seed: int, rank: int = 0) -> np.random.Generator:
+    """The random stream of data-parallel rank ``rank``: rank 0's is ``default_rng(seed)`` (what
+    one process draws), rank r's is seeded by ``SeedSequence(seed, spawn_key=(r,))``, independent
+    of every other rank's."""
+    seed = _validate.integer(seed, "seed", minimum=0)
+    rank = _validate.integer(rank, "rank", minimum=0)
+    key = (rank,) if rank else ()
+    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=key))
+
+
 class Batches:
     """Random ``[batch, block]`` windows of a byte corpus, with a 90/10 train/validation split.
 
     Args:
         data: the corpus (bytes or a uint8 array).
-        block: tokens per sequence; batch: sequences per batch; seed: the generator's seed.
+        block: tokens per sequence; batch: sequences per batch (per rank); seed: the generator's
+            seed.
+        rank: the data-parallel rank whose stream this is (``rank_stream``); 0 for one process.
     """
 
-    def __init__(self, data, block: int, batch: int, seed: int = 0):
+    def __init__(self, data, block: int, batch: int, seed: int = 0, rank: int = 0):
         self.block = _validate.integer(block, "block", minimum=1)
         self.batch = _validate.integer(batch, "batch", minimum=1)
         arr = np.frombuffer(bytes(data), dtype=np.uint8) if not isinstance(data, np.ndarray) \
@@ -68,7 +84,8 @@ class Batches:
                 raise ValueError(f"the corpus's {name} split has {len(part)} bytes, fewer than "
                                  f"one block + 1 ({self.block + 1}); use a longer corpus or a "
                                  f"shorter block")
-        self.rng = np.random.default_rng(_validate.integer(seed, "seed", minimum=0))
+        self.rank = _validate.integer(rank, "rank", minimum=0)
+        self.rng = rank_stream(seed, self.rank)
 
     def sample(self, split: str = "train", rng=None):
         """``(ids, targets)``: two [batch, block] int64 arrays, targets shifted by one byte."""
@@ -82,7 +99,25 @@ class Batches:
         return self.rng.bit_generator.state
 
     def set_state(self, state: dict) -> None:
+        """Restore a ``state()``, or this rank's from a data-parallel checkpoint's
+        ``{"ranks": [state of rank 0, ...]}``."""
+        if "ranks" in state:
+            if self.rank >= len(state["ranks"]):
+                raise ValueError(f"the checkpoint holds the batch streams of "
+                                 f"{len(state['ranks'])} ranks, none for rank {self.rank}: "
+                                 f"resume with as many ranks as wrote it")
+            state = state["ranks"][self.rank]
         self.rng.bit_generator.state = state
+
+
+class _RankStreams:
+    """The batch state a data-parallel run checkpoints: every rank's stream, in rank order."""
+
+    def __init__(self, states):
+        self.states = states
+
+    def state(self) -> dict:
+        return {"ranks": self.states}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +164,10 @@ def _config_dict(config: bdh.BDHConfig) -> dict:
     out["plan"] = dataclasses.asdict(config.plan)
     saved = config.saved
     out["saved"] = dataclasses.asdict(saved) if isinstance(saved, SavedConfig) else saved
+    pattern = config.latent_pattern
+    out["latent_pattern"] = None if pattern is None else {
+        "block_size": pattern.block_size,
+        "active": None if pattern.active is None else pattern.active.tolist()}
     return out
 
 
@@ -137,36 +176,31 @@ def config_from_dict(d: dict) -> bdh.BDHConfig:
     d["plan"] = LowBitPlan(**{k: tuple(v) for k, v in d["plan"].items()})
     if isinstance(d["saved"], dict):
         d["saved"] = SavedConfig(**d["saved"])
+    pattern = d.get("latent_pattern")
+    if pattern is not None:
+        active = pattern["active"]
+        d["latent_pattern"] = BlockPattern(pattern["block_size"],
+                                           None if active is None else np.asarray(active, bool))
     return bdh.BDHConfig(**d)
 
 
-def _host(a):
-    return a.get() if hasattr(a, "get") else np.asarray(a)
+#: The metadata entry of a checkpoint file that holds everything but the arrays (JSON).
+_META_KEY = "checkpoint"
 
 
 def save_checkpoint(path, config, params, optimizer, step, batches, extra=None) -> None:
     """Write parameters, optimizer state, step, batch-generator state and config to ``path``
-    (``.npz``), atomically: a temporary file in the same folder, then a rename."""
+    through ``lowbit.io.save`` (a safetensors file; the config, step, optimizer scalars and
+    generator state as JSON in its metadata), atomically: a crash mid-save leaves the previous
+    file intact."""
     state = optimizer.state_dict()
-    arrays = {f"param/{k}": _host(v) for k, v in params.items()}
+    arrays = {f"param/{k}": v for k, v in params.items()}
     for slot in ("exp_avg", "exp_avg_sq"):
-        arrays.update({f"{slot}/{k}": _host(v) for k, v in state[slot].items()})
+        arrays.update({f"{slot}/{k}": v for k, v in state[slot].items()})
     meta = {"version": CHECKPOINT_VERSION, "config": _config_dict(config), "step": int(step),
             "optimizer": {k: v for k, v in state.items() if k not in ("exp_avg", "exp_avg_sq")},
             "batches": batches.state(), "extra": extra or {}}
-    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".ckpt-", suffix=".npz", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    checkpoint_file.save(path, arrays, metadata={_META_KEY: json.dumps(meta)})
 
 
 def load_checkpoint(path, config=None, xp=np):
@@ -181,10 +215,9 @@ def load_checkpoint(path, config=None, xp=np):
             differs from the checkpoint's.
     """
     try:
-        with np.load(path, allow_pickle=False) as f:
-            data = {k: f[k] for k in f.files}
-        meta = json.loads(bytes(data.pop("meta")).decode())
-    except (zipfile.BadZipFile, EOFError, KeyError, ValueError, OSError) as exc:
+        data, meta = checkpoint_file.load(path, xp=xp, with_metadata=True)
+        meta = json.loads(meta[_META_KEY])
+    except (KeyError, ValueError, OSError) as exc:
         raise ValueError(f"checkpoint {path!r} is truncated or not a lowbit checkpoint: {exc}") \
             from None
     if meta.get("version") != CHECKPOINT_VERSION:
@@ -196,8 +229,7 @@ def load_checkpoint(path, config=None, xp=np):
                          f"(asked for {config})")
 
     def group(prefix):
-        return {k.split("/", 1)[1]: xp.asarray(v) for k, v in data.items()
-                if k.startswith(prefix + "/")}
+        return {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith(prefix + "/")}
 
     optimizer = dict(meta["optimizer"], exp_avg=group("exp_avg"), exp_avg_sq=group("exp_avg_sq"))
     return {"config": stored, "params": group("param"), "optimizer": optimizer,
@@ -206,21 +238,25 @@ def load_checkpoint(path, config=None, xp=np):
 
 # -- the loop -----------------------------------------------------------------------------------
 
-def evaluate(config, params, batches, n_batches: int, seed: int = 0) -> float:
+def evaluate(config, params, batches, n_batches: int, seed: int = 0, comm=None) -> float:
     """Mean validation loss over ``n_batches`` batches drawn with a generator of its own (the
-    training generator is not advanced), nats per byte."""
+    training generator is not advanced; rank r draws from ``rank_stream(seed, r)``), nats per
+    byte; with ``comm``, averaged over the ranks."""
     xp = _backend.array_module(params["embed"])
-    rng = np.random.default_rng(seed)
+    rng = rank_stream(seed, batches.rank)
     losses = []
     for _ in range(n_batches):
         ids, targets = batches.sample("val", rng)
         losses.append(bdh.loss(config, params, xp.asarray(ids), xp.asarray(targets)))
-    return float(np.mean(losses))
+    mean = np.array([np.mean(losses)])
+    if comm is not None:
+        comm.allreduce_mean([mean])
+    return float(mean[0])
 
 
 def train(config, params, batches, schedule, *, steps=None, start_step=0, optimizer=None,
           seed=0, eval_every=0, eval_batches=4, max_grad_norm=1.0, callback=None,
-          progress=True, checkpoint=None):
+          progress=True, checkpoint=None, comm=None):
     """Train ``params`` in place with AdamW from ``start_step`` up to ``steps`` (default
     ``schedule.steps``).
 
@@ -228,54 +264,90 @@ def train(config, params, batches, schedule, *, steps=None, start_step=0, optimi
         config, params: the model (``bdh.BDHConfig``, dict of float32 arrays, updated in place).
         batches: a ``Batches`` stream; schedule: a ``Schedule``.
         optimizer: an ``AdamW`` to continue (from a checkpoint), else a new one.
-        seed: keys the dropout masks, ``(seed, step)`` per step.
+        seed: keys the dropout masks, ``(seed, step)`` per step and global row per row.
         eval_every: validation loss every this many steps and at the end (0: only at the end).
         callback: called as ``callback(step, record)`` after every step.
         progress: show a tqdm progress bar with step, loss and tokens/s.
         checkpoint: a path: written (atomically) at the end.
+        comm: a ``lowbit.distributed`` communicator (default: this process alone). Every rank
+            calls ``train`` with the same arguments but ``batches = Batches(..., rank=comm.rank)``
+            (checked at the start: configs, parameter shapes and arguments must agree). Rank 0's
+            parameters are broadcast first; every step each rank draws its own rows, the
+            gradients and the loss are averaged over the ranks before the optimizer step, the
+            validation loss is averaged; only rank 0 shows the progress bar and writes the
+            checkpoint (with every rank's batch stream: to resume, every rank loads it). An
+            exception on any rank ends the job on every rank (``comm.guard()``).
 
     Returns:
-        dict: ``train`` [(step, loss)], ``val`` [(step, loss)], ``tokens_per_s``, ``optimizer``.
+        dict: ``train`` [(step, loss)], ``val`` [(step, loss)], ``tokens_per_s`` (this rank's),
+        ``comm_s`` (seconds spent averaging gradients), ``optimizer``.
     """
-    xp = _backend.array_module(params["embed"])
-    steps = schedule.steps if steps is None else _validate.integer(steps, "steps", minimum=0)
-    if optimizer is None:
-        lr, wd = schedule(start_step)
-        optimizer = AdamW(lr=lr, weight_decay=wd, max_grad_norm=max_grad_norm)
-    history = {"train": [], "val": [], "optimizer": optimizer}
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    comm = Communicator() if comm is None else comm
+    with comm.guard():
+        xp = _backend.array_module(params["embed"])
+        steps = schedule.steps if steps is None else _validate.integer(steps, "steps", minimum=0)
+        if batches.rank != comm.rank:
+            raise ValueError(f"batches.rank ({batches.rank}) must be the communicator's rank "
+                             f"({comm.rank}): each rank draws its own rows")
+        names = sorted(params)
+        if comm.size > 1:
+            opt_state = None if optimizer is None else {
+                k: v for k, v in optimizer.state_dict().items()
+                if k not in ("exp_avg", "exp_avg_sq")}
+            comm.check_same((config, [(n, tuple(params[n].shape), str(params[n].dtype))
+                                      for n in names], schedule, batches.block, batches.batch,
+                             steps, start_step, opt_state, seed, eval_every, eval_batches,
+                             max_grad_norm, checkpoint is None),
+                            "the configs, parameter shapes and training arguments")
+        comm.broadcast([params[n] for n in names])
+        if optimizer is None:
+            lr, wd = schedule(start_step)
+            optimizer = AdamW(lr=lr, weight_decay=wd, max_grad_norm=max_grad_norm)
+        history = {"train": [], "val": [], "optimizer": optimizer}
+        bar = None
+        if progress and comm.rank == 0:
+            from tqdm import tqdm
 
-        bar = tqdm(total=steps - start_step, desc="train", unit="step", leave=False)
-    tokens = 0
-    busy = 0.0
-    for step in range(start_step, steps):
-        ids, targets = batches.sample("train")
-        begin = time.perf_counter()
-        optimizer.lr, optimizer.weight_decay = schedule(step)
-        loss, ctx = bdh.forward(config, params, xp.asarray(ids), xp.asarray(targets),
-                                seed=(seed * 1_000_003 + step) % 2**32)
-        grads = bdh.backward(ctx)
-        del ctx
-        optimizer.step(params, grads)
-        value = float(loss)
-        busy += time.perf_counter() - begin
-        tokens += ids.size
-        record = {"loss": value, "lr": optimizer.lr, "tokens_per_s": tokens / busy}
-        history["train"].append((step + 1, value))
-        last = step + 1 == steps
-        if (eval_every and (step + 1) % eval_every == 0) or last:
-            record["val"] = evaluate(config, params, batches, eval_batches)
-            history["val"].append((step + 1, record["val"]))
+            bar = tqdm(total=steps - start_step, desc="train", unit="step", leave=False)
+        tokens = 0
+        busy = communicating = 0.0
+        for step in range(start_step, steps):
+            ids, targets = batches.sample("train")
+            begin = time.perf_counter()
+            optimizer.lr, optimizer.weight_decay = schedule(step)
+            loss, ctx = bdh.forward(config, params, xp.asarray(ids), xp.asarray(targets),
+                                    seed=(seed * 1_000_003 + step) % 2**32,
+                                    row_offset=comm.rank * batches.batch)
+            grads = bdh.backward(ctx)
+            del ctx
+            loss = xp.array(loss, dtype=np.float32, ndmin=1)
+            sent = time.perf_counter()
+            comm.allreduce_mean([grads[n] for n in names] + [loss])
+            communicating += time.perf_counter() - sent
+            optimizer.step(params, grads)
+            value = float(loss[0])
+            busy += time.perf_counter() - begin
+            tokens += ids.size
+            record = {"loss": value, "lr": optimizer.lr, "tokens_per_s": tokens / busy}
+            history["train"].append((step + 1, value))
+            last = step + 1 == steps
+            if (eval_every and (step + 1) % eval_every == 0) or last:
+                record["val"] = evaluate(config, params, batches, eval_batches, comm=comm)
+                history["val"].append((step + 1, record["val"]))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if callback is not None:
+                callback(step + 1, record)
         if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        if callback is not None:
-            callback(step + 1, record)
-    if bar is not None:
-        bar.close()
-    history["tokens_per_s"] = tokens / busy if busy else 0.0
-    if checkpoint is not None:
-        save_checkpoint(checkpoint, config, params, optimizer, steps, batches)
-    return history
+            bar.close()
+        history["tokens_per_s"] = tokens / busy if busy else 0.0
+        history["comm_s"] = communicating
+        if checkpoint is not None:
+            streams = comm.allgather_object(batches.state())
+            if comm.rank == 0:
+                save_checkpoint(checkpoint, config, params, optimizer, steps,
+                                batches if comm.size == 1 else _RankStreams(streams))
+            # No rank returns before the file is there (a rank may load it next).
+            comm.allgather_object(None)
+        return history

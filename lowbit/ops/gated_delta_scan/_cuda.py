@@ -40,11 +40,12 @@ def forward(q, k, v, log_decay, beta, initial_state, chunk_size, keep_checkpoint
     nchunks = -(-nt // chunk_size) if keep_checkpoints else 0
     checkpoints = _backend.empty((nb, nh, nchunks, nk, nv), q.dtype, xp)
     if nb * nh and nv:
-        _kernel("fwd", q)((nb * nh, -(-nv // LANES)), (LANES,),
-                          (q, k, v, log_decay, beta, initial_state, out, final, checkpoints,
-                           *_dims(q, v, log_decay, chunk_size), np.int32(keep_checkpoints)),
-                          shared_mem=_kernels.check_shared(nk * LANES * q.itemsize,
-                                                           f"K={nk} ({q.dtype})"))
+        kernel = _kernel("fwd", q)
+        kernel(_kernels.grid(nb * nh, -(-nv // LANES), what="gated_delta_scan"), (LANES,),
+               (q, k, v, log_decay, beta, initial_state, out, final, checkpoints,
+                *_dims(q, v, log_decay, chunk_size), np.int32(keep_checkpoints)),
+               shared_mem=_kernels.dynamic_shared(kernel, nk * LANES * q.itemsize, q,
+                                                  f"gated_delta_scan at K={nk} ({q.dtype})"))
     return out, final, (checkpoints if keep_checkpoints else None)
 
 
@@ -71,10 +72,12 @@ def backward(dout, dstate, q, k, v, log_decay, beta, checkpoints, chunk_size):
     # The states entering each token of the chunk being swept, per (batch, head).
     scratch = _backend.empty((nb, nh, min(chunk_size, max(nt, 1)), nk, nv), q.dtype, xp)
     if nb * nh and nv:
-        _kernel("bwd", q)((nb * nh, slices), (LANES,),
-                          (q, k, v, log_decay, beta, checkpoints, dout, dstate, scratch,
-                           dq, dk, dv, dlog, dbeta, dinit, *_dims(q, v, log_decay, chunk_size)),
-                          shared_mem=_kernels.check_shared(2 * nk * LANES * q.itemsize,
-                                             f"the backward at K={nk} ({q.dtype})"))
+        kernel = _kernel("bwd", q)
+        kernel(_kernels.grid(nb * nh, slices, what="gated_delta_scan's backward"), (LANES,),
+               (q, k, v, log_decay, beta, checkpoints, dout, dstate, scratch,
+                dq, dk, dv, dlog, dbeta, dinit, *_dims(q, v, log_decay, chunk_size)),
+               shared_mem=_kernels.dynamic_shared(
+                   kernel, 2 * nk * LANES * q.itemsize, q,
+                   f"gated_delta_scan's backward at K={nk} ({q.dtype})"))
     return (_sum_slices(xp, dq), _sum_slices(xp, dk), dv, _sum_slices(xp, dlog),
             _sum_slices(xp, dbeta), dinit)

@@ -12,6 +12,14 @@ stored per pass), so it makes one pass per token in each sweep (1.3x faster than
 the recompute derives token t + 1's decayed state and residual from token t's in one pass, and
 the reverse sweep gets ddelta = (ds + q do^T)^T k = ds^T k + (q.k) do before its pass, the
 ds^T k part accumulated by the previous (later) token's pass as it writes ds.
+
+``forward`` and ``backward`` run these kernels for every shape. The chunked form of the same
+function (``_numba_chunked.py``: matrix products within blocks of 64 tokens) measured slower on
+the CPU it was built on (AMD EPYC, AVX-512, 2 cores; B = 4, T = 2048, H = 8, K = V = 64, float32,
+interleaved runs, process CPU time): forward 0.8-0.9x and backward 0.6x of these kernels, which
+already run at about 40 (forward) and 80 (backward) GFLOP/s per core, while the chunked form
+does 1.6-1.8x their multiply-adds at ~80 GFLOP/s (OpenBLAS's 64 x 64 x 64 sgemm); at
+K = V = 128, 1.0x and 0.77x. So nothing selects it; it stays callable (tests, ``bench/scan.py``).
 """
 
 import math

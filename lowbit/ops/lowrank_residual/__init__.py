@@ -19,17 +19,30 @@ Forward, head by head (``LN`` normalizes the last axis, no affine parameters, ep
 What the ctx saves, each tensor once, through the saved-activation op's ``save``: ``current``;
 per head ``x_neuron`` and ``y_gate`` (``kind="nonneg"``: the ReLU masks stay exact) and the
 pre-norm attention output ``a`` with its mean and reciprocal standard deviation; ``mlp`` with its
-statistics, and the statistics of ``current + LN(mlp)``. Recomputed in the backward: the product
-``y_neuron`` (and the dropout mask, a hash of the element index), the rotated queries, every
-normalized output (from the saved input and statistics), and, for ``attention="segmented"``, the
-attention forward (so its ctx does not save ``x_neuron`` and ``current`` a second time).
-Statistics (``[B, T]``, per head for ``a``) are kept exact; ``ctx.nbytes`` counts them.
+statistics, and the statistics of ``current + LN(mlp)``. With quantized activations, the int8
+codes and row scales each projection multiplied are kept exactly (the straight-through weight
+gradients multiply the same codes). Under a lossy saved-activation policy (any format but
+``"fp32"``), a projection with quantized activations saves its codes instead of its ReLU
+output, which the backward recomputes from them with the same kernel (the same bits, fewer
+bytes than any lossy copy): ``x_neuron`` from the codes of ``current``, ``y_gate`` from those
+of ``LN(a)`` (the codes times their scales then stand for ``LN(a)`` in the norm's backward, and
+``a`` itself is not kept). Recomputed in the backward: the product ``y_neuron`` (and the
+dropout mask, a hash of the element index), the rotated queries, every normalized output (from
+the saved input and statistics), and, for ``attention="segmented"``, the attention forward (so
+its ctx does not save ``x_neuron`` and ``current`` a second time). Statistics (``[B, T]``, per
+head for ``a``) are kept exact; ``ctx.nbytes`` counts them.
 
 Memory: the forward goes head by head (temporaries ``[B, T, N]``; with a quantized decoder
-projection one ``[B, T, H * N]`` buffer, multiplied in row blocks), the backward head by head
-and batch row by batch row, and ``lowrank_residual_backward(..., accumulate=grads)`` adds the
+projection one ``[B, T, H * N]`` buffer, multiplied in row blocks, or, when the policy is lossy
+and every projection's activations are quantized, an int8 one from a second pass), the backward
+(``_layer_backward.py``) head by head and a few batch rows at a time
+(``BACKWARD_ROW_TOKENS``), and ``lowrank_residual_backward(..., accumulate=grads)`` adds the
 weight gradients into caller-held buffers (BDH applies one layer several times with shared
 weights). Per-stage time and bytes: ``lowbit.profile()`` (``lowbit/_profile.py``).
+
+Block patterns (``lowbit.BlockPattern``, ``latent_pattern=``; ``_pattern.py``): each head runs on
+its active latent neurons only (gathered encoder columns, decoder rows and rotary pairs), so the
+products, the attention, the saved tensors and the gradients shrink with the active fraction.
 """
 
 from __future__ import annotations
@@ -40,9 +53,10 @@ import numpy as np
 
 from ... import _backend, _dispatch, _validate
 from ..._ctx import Ctx
-from ..quantize import ACT_FORMATS as _ACT_QMAX, WEIGHT_FORMATS as _WEIGHT_BITS
+from ..quantize import ACT_FORMATS as _ACT_QMAX, WEIGHT_FORMATS as _WEIGHT_BITS, PackedWeight
 from ..saved_activation import saved_policy
-from . import _layer
+from . import _layer, _layer_backward
+from ._pattern import BlockPattern, latent_pattern as _latent_pattern  # noqa: F401 (public)
 
 OP = "lowrank_residual"
 ATTENTIONS = ("causal_linear", "segmented")
@@ -110,21 +124,26 @@ class LowrankResidualCtx(Ctx):
     relu_threshold: float
     dropout: float
     seed: int
+    row_offset: int
     encoder: object
     encoder_v: object
     decoder: object
     packed: dict
+    latent: tuple  # active latent indices per head (latent_pattern), or None: all
     current: object
-    x_neuron: list
-    y_gate: list
+    x_codes: object  # (codes, scales) of current's rows, or None
+    x_neuron: list  # None: recomputed from x_codes
+    y_gate: list  # None: recomputed from attn_codes
     attn: list
     attn_mean: list
     attn_rstd: list
+    attn_codes: list  # per head (codes, scales) of LN(a)'s rows, or None
     mlp: object
     mlp_mean: object
     mlp_rstd: object
     out_mean: object
     out_rstd: object
+    resid_scale: object  # [B * T] row scales of Qa(y_neuron), or None
 
 
 # -- validation ----------------------------------------------------------------------------------
@@ -145,7 +164,7 @@ def _lengths(lengths, T):
 
 
 def _check(current, encoder, encoder_v, decoder, attention, lengths, plan, saved,
-           relu_threshold, dropout, seed):
+           relu_threshold, dropout, seed, row_offset):
     saved = saved_policy(saved)  # first: a bad policy raises before any kernel
     current = _validate.as_array(current, "current")
     _validate.floating(current, "current")
@@ -182,15 +201,57 @@ def _check(current, encoder, encoder_v, decoder, attention, lengths, plan, saved
     seed = _validate.integer(seed, "seed", minimum=0)
     if seed >= 2**32:
         raise ValueError(f"seed must be below 2**32, got {seed}")
+    row_offset = _validate.integer(row_offset, "row_offset", minimum=0)
     return (current, encoder, encoder_v, decoder, attention, lengths, plan, saved,
-            relu_threshold, dropout, seed)
+            relu_threshold, dropout, seed, row_offset)
+
+
+def quantize_layer_weights(encoder, encoder_v, decoder, plan):
+    """The quantized forms of the layer's weights under ``plan``, for ``packed=``.
+
+    Returns:
+        a dict: ``"encoder"`` and ``"encoder_v"`` a list of one ``PackedWeight`` per head (each
+        head its own scale), ``"decoder"`` one ``PackedWeight``; only the projections whose
+        weight format the plan sets.
+    """
+    if not isinstance(plan, LowBitPlan):
+        raise TypeError(f"plan must be a lowbit.LowBitPlan, got {type(plan).__name__}")
+    encoder, encoder_v, decoder = (_weight(w, n).astype(np.float32, copy=False) for w, n in
+                                   ((encoder, "encoder"), (encoder_v, "encoder_v"),
+                                    (decoder, "decoder")))
+    return _layer.quantize_weights(plan, encoder, encoder_v, decoder)
+
+
+def _packed(packed, plan, encoder, decoder):
+    """``packed=`` checked against the plan and the weights' shapes: a PackedWeight of the
+    plan's format for each quantized projection, one a head for the encoders."""
+    if packed is None:
+        return None
+    H, D, N = encoder.shape
+    want = {name: (pair[0], shape, many) for name, pair, shape, many in (
+        ("encoder", plan.x, (D, N), True), ("encoder_v", plan.y, (D, N), True),
+        ("decoder", plan.residual, tuple(decoder.shape), False)) if pair[0] is not None}
+    if not isinstance(packed, dict) or set(packed) != set(want):
+        got = sorted(packed) if isinstance(packed, dict) else type(packed).__name__
+        raise ValueError(f"packed must be quantize_layer_weights' dict for this plan (keys "
+                         f"{sorted(want)}), got {got}")
+    for name, (fmt, shape, many) in want.items():
+        items = packed[name] if many else [packed[name]]
+        if many and (not isinstance(items, list) or len(items) != H):
+            raise ValueError(f"packed[{name!r}] must be a list of {H} PackedWeights (one a head)")
+        for pw in items:
+            if (not isinstance(pw, PackedWeight) or pw.format != fmt
+                    or tuple(pw.shape) != shape):
+                raise ValueError(f"packed[{name!r}] must hold {fmt} PackedWeights of shape "
+                                 f"{shape}, got {pw!r:.80}")
+    return packed
 
 
 # -- the op ---------------------------------------------------------------------------------------
 
 def lowrank_residual_forward(current, encoder, encoder_v, decoder, *, attention="causal_linear",
                              lengths=None, plan=None, saved=None, relu_threshold=0.0, dropout=0.0,
-                             seed=0):
+                             seed=0, row_offset=0, packed=None, latent_pattern=None):
     """Forward of the BDH low-rank residual layer, keeping what the backward needs.
 
     Args:
@@ -207,6 +268,16 @@ def lowrank_residual_forward(current, encoder, encoder_v, decoder, *, attention=
         relu_threshold: subtracted before both ReLUs (sets the neuron density).
         dropout: inverted-dropout probability on ``y_neuron``, in [0, 1).
         seed: dropout seed (the mask is a hash of (seed, element index); nothing is saved).
+        row_offset: global index of batch row 0: row ``b`` hashes its dropout mask as row
+            ``row_offset + b`` of a larger batch (data-parallel ranks holding a slice of one
+            global batch draw the masks of the one-process run).
+        packed: the weights' quantized forms under ``plan``, from ``quantize_layer_weights``
+            (None: quantized here). A caller that applies one set of weights several times
+            (BDH's levels) quantizes them once; they must be those of these very weights.
+        latent_pattern: a ``lowbit.BlockPattern`` (None: every latent neuron): the neurons of
+            inactive blocks are exactly zero in ``x_neuron``, ``y_gate`` and ``y_neuron``
+            whatever the threshold, and get no gradient (their ``encoder``/``encoder_v``
+            columns and ``decoder`` rows stay zero); they are neither computed nor saved.
 
     Returns:
         ``(next, ctx)``: next [B, T, D] float32 and a ``LowrankResidualCtx``.
@@ -215,34 +286,40 @@ def lowrank_residual_forward(current, encoder, encoder_v, decoder, *, attention=
         TypeError, ValueError: bad arguments (the message names the argument).
     """
     return _forward(current, encoder, encoder_v, decoder, attention, lengths, plan, saved,
-                    relu_threshold, dropout, seed, keep=True)
+                    relu_threshold, dropout, seed, row_offset, packed, latent_pattern, keep=True)
 
 
 def lowrank_residual(current, encoder, encoder_v, decoder, *, attention="causal_linear",
-                     lengths=None, plan=None, relu_threshold=0.0, dropout=0.0, seed=0):
+                     lengths=None, plan=None, relu_threshold=0.0, dropout=0.0, seed=0,
+                     row_offset=0, packed=None, latent_pattern=None):
     """Inference form of ``lowrank_residual_forward``: returns ``next`` and saves nothing."""
     return _forward(current, encoder, encoder_v, decoder, attention, lengths, plan, None,
-                    relu_threshold, dropout, seed, keep=False)[0]
+                    relu_threshold, dropout, seed, row_offset, packed, latent_pattern,
+                    keep=False)[0]
 
 
 def _forward(current, encoder, encoder_v, decoder, attention, lengths, plan, saved,
-             relu_threshold, dropout, seed, keep):
+             relu_threshold, dropout, seed, row_offset, packed, pattern, keep):
     (current, encoder, encoder_v, decoder, attention, lengths, plan, saved, relu_threshold,
-     dropout, seed) = _check(current, encoder, encoder_v, decoder, attention, lengths, plan,
-                             saved, relu_threshold, dropout, seed)
+     dropout, seed, row_offset) = _check(current, encoder, encoder_v, decoder, attention,
+                                         lengths, plan, saved, relu_threshold, dropout, seed,
+                                         row_offset)
+    packed = _packed(packed, plan, encoder, decoder)
+    latent = _latent_pattern(pattern, encoder.shape[0], encoder.shape[2], attention)
     name, impl = _dispatch.resolve(OP, current, encoder, encoder_v, decoder)
     f32 = lambda a: a.astype(np.float32, copy=False)  # noqa: E731
     current, encoder, encoder_v, decoder = map(f32, (current, encoder, encoder_v, decoder))
     # Numba's parallel kernels take the cores between the BLAS calls of the projections.
     with _backend.single_threaded_blas(name == "numba"):
         out, fields = _layer.forward(impl, current, encoder, encoder_v, decoder, attention,
-                                     lengths, plan, saved, relu_threshold, dropout, seed, keep)
+                                     lengths, plan, saved, relu_threshold, dropout, seed,
+                                     row_offset, keep, packed, latent)
     if not keep:
         return out, None
     ctx = LowrankResidualCtx(
         shape=(*current.shape, encoder.shape[0], encoder.shape[2]), attention=attention,
         lengths=lengths, plan=plan, relu_threshold=relu_threshold, dropout=dropout, seed=seed,
-        encoder=encoder, encoder_v=encoder_v, decoder=decoder, **fields)
+        row_offset=row_offset, encoder=encoder, encoder_v=encoder_v, decoder=decoder, **fields)
     return out, ctx
 
 
@@ -274,7 +351,7 @@ def lowrank_residual_backward(dnext, ctx, *, accumulate=None):
     xp = _backend.array_module(dnext)
     grads = _accumulators(accumulate, (H, D, N), (H * N, D), xp)
     with _backend.single_threaded_blas(name == "numba"):
-        return _layer.backward(impl, dnext.astype(np.float32, copy=False), ctx, grads)
+        return _layer_backward.backward(impl, dnext.astype(np.float32, copy=False), ctx, grads)
 
 
 def _accumulators(accumulate, enc_shape, dec_shape, xp):

@@ -25,12 +25,10 @@ def _kernel(name, like):
 
 
 def _segment_bounds(starts, T, xp):
-    """Per token, the start and the end of its segment: two [T] int64 arrays."""
-    host = starts.get() if _backend.is_cupy_array(starts) else np.asarray(starts)
-    lengths = np.diff(host)
-    lo = np.repeat(host[:-1], lengths).astype(np.int64)
-    hi = np.repeat(host[1:], lengths).astype(np.int64)
-    return xp.asarray(lo), xp.asarray(hi)
+    """Per token, the start and the end of its segment: two [T] int64 arrays, found on the
+    array module of ``starts`` (a device search: no copy to the host and back)."""
+    segment = xp.searchsorted(starts, xp.arange(T, dtype=np.int64), side="right") - 1
+    return starts[segment].astype(np.int64), starts[segment + 1].astype(np.int64)
 
 
 def causal_linear_forward(x, v, starts, cos, sin):
@@ -41,11 +39,12 @@ def causal_linear_forward(x, v, starts, cos, sin):
     x, v = xp.ascontiguousarray(x), xp.ascontiguousarray(v)
     lo, _ = _segment_bounds(starts, T, xp)
     out = _backend.empty((B, T, D), np.float32, xp)
-    _kernel("causal_linear_fwd", x)(
-        (T, B), (THREADS,),
-        (x, v, xp.ascontiguousarray(cos), xp.ascontiguousarray(sin), lo, out, np.int64(T),
-         np.int64(N), np.int64(D)),
-        shared_mem=(N + D + TILE) * FLOAT_BYTES)
+    kernel = _kernel("causal_linear_fwd", x)
+    kernel(_kernels.grid(T, B, what="the BDH layer"), (THREADS,),
+           (x, v, xp.ascontiguousarray(cos), xp.ascontiguousarray(sin), lo, out, np.int64(T),
+            np.int64(N), np.int64(D)),
+           shared_mem=_kernels.dynamic_shared(kernel, (N + D + TILE) * FLOAT_BYTES, x,
+                                              f"the BDH layer at N={N}, D={D}"))
     return out
 
 
@@ -58,10 +57,11 @@ def causal_linear_backward(da, x, v, starts, cos, sin):
     lo, hi = _segment_bounds(starts, T, xp)
     dx = _backend.empty((B, T, N), np.float32, xp)
     dv = _backend.empty((B, T, D), np.float32, xp)
-    _kernel("causal_linear_bwd", x)(
-        (T, B), (THREADS,),
-        (da, x, v, xp.ascontiguousarray(cos), xp.ascontiguousarray(sin), lo, hi, dx, dv,
-         np.int64(T), np.int64(N), np.int64(D)),
-        shared_mem=(2 * N + 3 * D + 2 * TILE) * FLOAT_BYTES)
+    kernel = _kernel("causal_linear_bwd", x)
+    kernel(_kernels.grid(T, B, what="the BDH layer's backward"), (THREADS,),
+           (da, x, v, xp.ascontiguousarray(cos), xp.ascontiguousarray(sin), lo, hi, dx, dv,
+            np.int64(T), np.int64(N), np.int64(D)),
+           shared_mem=_kernels.dynamic_shared(
+               kernel, (2 * N + 3 * D + 2 * TILE) * FLOAT_BYTES, x,
+               f"the BDH layer's backward at N={N}, D={D}"))
     return dx, dv
-

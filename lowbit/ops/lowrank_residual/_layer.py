@@ -1,6 +1,8 @@
-"""The BDH low-rank residual layer's math: the forward head by head and its hand-written backward.
+"""The BDH low-rank residual layer's math: the forward head by head (its hand-written backward is
+``_layer_backward.py``).
 
-Siblings: ``__init__.py`` (API, ``LowBitPlan``, the ctx, validation), the backend kernels
+Siblings: ``__init__.py`` (API, ``LowBitPlan``, the ctx, validation), ``_pattern.py`` (block
+patterns: each head runs on its active latent neurons only), the backend kernels
 ``_numpy.py``, ``_numba.py``, ``_cuda.py`` (causal-linear attention); reference
 ``reference/lowrank_residual.py``. The layer norms are the ``layer_norm`` op's (``normalize``,
 ``normalize_backward``). Every projection is ``packed_matmul``'s straight-through pair
@@ -10,16 +12,18 @@ runs, so the layer's backward uses the packed dx kernels too. Array-generic (num
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import numpy as np
 
-from ... import _backend, _profile
-from ..layer_norm import normalize, normalize_backward
-from ..packed_matmul import activation_codes, straight_through_backward, straight_through_forward
-from ..quantize import ACT_FORMATS, EPS, quantize_weight, weight_rows
+from ... import _backend, _kernels, _profile
+from ..layer_norm import normalize
+from ..packed_matmul import activation_codes, straight_through_codes, straight_through_forward
+from ..quantize import ACT_FORMATS, quantize_weight
 from ..saved_activation import save
+from ._pattern import gather_columns, gather_rows
 from ..segmented_attention import (segmented_attention, segmented_attention_backward,
                                    segmented_attention_forward)
 
@@ -43,39 +47,59 @@ def _rope_tables_host(T, N):
 
 
 def rope_tables(T, N, xp):
-    cos, sin = _rope_tables_host(T, N)
-    return xp.asarray(cos), xp.asarray(sin)
+    """cos/sin of ``_rope_tables_host`` on the array module ``xp`` (uploaded once a device)."""
+    if xp is np:
+        return _rope_tables_host(T, N)
+    return _rope_tables_device(T, N, xp.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=16)
+def _rope_tables_device(T, N, device):
+    like = _backend.cupy_module().empty(0, np.float32)
+    return tuple(_kernels.device_copy(t, like) for t in _rope_tables_host(T, N))
 
 
 def starts(lengths, xp):
-    """Segment boundaries [S + 1] int64: starts of every segment, then T."""
-    return xp.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    """Segment boundaries [S + 1] int64: starts of every segment, then T (a cached table)."""
+    like = np.empty(0) if xp is np else xp.empty(0)
+    return _kernels.device_constant(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                                    like)
 
 
-def _dropout_scale(shape, h, H, p, seed, xp, rows=slice(None)):
+def _dropout_scale(shape, h, H, p, seed, row_offset, xp, rows=slice(None), latent=None):
     """Inverted-dropout multiplier of head ``h``: [B, T, N] float32 of 0 or 1 / (1 - p).
 
-    The keep decision hashes (seed, flat index into [B, H, T, N]); identical on every backend.
-    ``rows`` selects batch rows (a slice), for a backward that goes row by row.
+    The keep decision hashes (seed, flat index into [row_offset + B, H, T, N]); identical on
+    every backend. ``rows`` selects batch rows (a slice), for a backward that goes a few rows at
+    a time; ``latent`` (host int64) the latent neurons of a block pattern (the result is then
+    [B, T, len(latent)], each neuron hashed at its own index).
     """
     B, T, N = shape
-    b = xp.arange(B, dtype=np.uint64)[rows, None, None]
-    rest = xp.arange(T * N, dtype=np.uint64).reshape(1, T, N)
-    index = (b * np.uint64(H) + np.uint64(h)) * np.uint64(T * N) + rest
-    x = (index & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    # Indices below 2**32 have no high half: the whole hash then runs in uint32.
+    small = (row_offset + B) * H * T * N <= 2**32
+    dt = np.uint32 if small else np.uint64
+    b = xp.arange(row_offset, row_offset + B, dtype=dt)[rows, None, None]
+    n = (xp.arange(N, dtype=dt) if latent is None else
+         _kernels.device_constant(latent.astype(dt), b))
+    rest = (xp.arange(T, dtype=dt)[:, None] * dt(N) + n[None, :])[None]
+    index = (b * dt(H) + dt(h)) * dt(T * N) + rest
+    if small:
+        x = index
+    else:
+        x = (index & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+        x += (index >> np.uint64(32)).astype(np.uint32) * np.uint32(HASH_HIGH_MUL)
     x += np.uint32((seed * HASH_SEED_MUL) & 0xFFFFFFFF)
-    x += (index >> np.uint64(32)).astype(np.uint32) * np.uint32(HASH_HIGH_MUL)
     x ^= x >> np.uint32(16)
     x *= np.uint32(HASH_MUL_1)
     x ^= x >> np.uint32(15)
     x *= np.uint32(HASH_MUL_2)
     x ^= x >> np.uint32(16)
     threshold = min(int(round(p * 2.0**32)), 2**32)
-    keep = x >= np.uint64(threshold) if threshold < 2**32 else xp.zeros(x.shape, dtype=bool)
+    keep = x >= np.uint32(threshold) if threshold < 2**32 else xp.zeros(x.shape, dtype=bool)
     return keep.astype(np.float32) * np.float32(1.0 / (1.0 - p))
 
 
-def _quantize_weights(plan, encoder, encoder_v, decoder):
+def quantize_weights(plan, encoder, encoder_v, decoder):
     """Quantized forms of the weights the plan asks for: {name: PackedWeight or list}."""
     packed = {}
     wx, wy, wr = plan.x[0], plan.y[0], plan.residual[0]
@@ -88,88 +112,187 @@ def _quantize_weights(plan, encoder, encoder_v, decoder):
     return packed
 
 
-def _project(x, w, pw, act):
-    """``Qa(x) @ Qw(w)``: [..., K] -> [..., N] float32 (the packed kernels when ``pw`` is set)."""
-    y, _, _ = straight_through_forward(x, w, pw, act)
+def _codes(x, act):
+    """``(codes [M, K] int8, scale [M] float32)`` of the rows of ``x`` [..., K], or None."""
+    return None if act is None else activation_codes(x, act)
+
+
+def _project(x, q, w, pw):
+    """``Qa(x) @ Qw(w)``: [..., K] -> [..., N] float32; ``q`` the activation codes of ``x``'s
+    rows (``_codes``) or None (float activations); the packed kernels when ``pw`` is set."""
+    if q is None:
+        y, _, _ = straight_through_forward(x, w, pw, None)
+    else:
+        y = straight_through_codes(*q, w, pw)
     return y.reshape(x.shape[:-1] + (w.shape[1],))
+
+
+def _relu(y, thr, xp):
+    y -= thr
+    return xp.maximum(y, 0, out=y)
 
 
 def _rows(x, xp):
     return xp.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=np.float32)
 
 
-def _project_backward(dy, x, w, pw, act, xp):
-    """Straight-through ``(dx, dw)`` of ``_project`` from the input ``x`` recovered from the ctx."""
-    a, scale_a = activation_codes(x, act) if act is not None else (_rows(x, xp), None)
-    dx, dw = straight_through_backward(_rows(dy, xp), w, pw, a, scale_a)
-    return dx.reshape(x.shape), dw
+def _save_codes(q):
+    return None if q is None else (save(q[0], None), save(q[1], None))
+
+
+def _unpack_codes(q):
+    return None if q is None else (q[0].unpack(), q[1].unpack())
+
+
+def _apply_dropout(y_neuron, h, H, N, p, seed, row_offset, xp, latent=None):
+    """``y_neuron *= mask`` batch row by batch row (the hash's temporaries stay a row's size)."""
+    B, T, _ = y_neuron.shape
+    for b in range(B):
+        y_neuron[b:b + 1] *= _dropout_scale((B, T, N), h, H, p, seed, row_offset, xp,
+                                            slice(b, b + 1), latent)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadWeights:
+    """Head ``h``'s weights on its active latent neurons (all N without a pattern): float32
+    encoder columns, their packed forms (or None), the rotary tables of the active pairs, the
+    decoder rows (a slice, or host int64 indices) and the latent indices (None: all)."""
+
+    encoder: object
+    encoder_v: object
+    pwx: object
+    pwy: object
+    cos: object
+    sin: object
+    dec_rows: object
+    latent: object
+
+    @property
+    def width(self) -> int:
+        return self.encoder.shape[1]
+
+
+def head_weights(h, encoder, encoder_v, packed, cos, sin, latent):
+    """``HeadWeights`` of head ``h``; ``latent`` the pattern's indices per head or None."""
+    N = encoder.shape[2]
+    pwx = packed["encoder"][h] if "encoder" in packed else None
+    pwy = packed["encoder_v"][h] if "encoder_v" in packed else None
+    idx = None if latent is None else latent[h]
+    if idx is None:
+        return HeadWeights(encoder[h], encoder_v[h], pwx, pwy, cos, sin,
+                           slice(h * N, (h + 1) * N), None)
+    xp = _backend.array_module(encoder)
+    cols = _kernels.device_constant(idx, encoder)
+    pairs = _kernels.device_constant(idx[0:2 * (len(idx) // 2):2] // 2, encoder)
+    return HeadWeights(
+        xp.ascontiguousarray(encoder[h][:, cols]), xp.ascontiguousarray(encoder_v[h][:, cols]),
+        None if pwx is None or not len(idx) else gather_columns(pwx, idx),
+        None if pwy is None or not len(idx) else gather_columns(pwy, idx),
+        xp.ascontiguousarray(cos[:, pairs]), xp.ascontiguousarray(sin[:, pairs]),
+        h * N + idx, idx)
+
+
+def decoder_rows(decoder, pw, heads):
+    """The decoder's rows of every head's active neurons, in head order: ``(float32, packed)``
+    (the very arrays without a pattern)."""
+    if all(w.latent is None for w in heads):
+        return decoder, pw
+    rows = np.concatenate([np.arange(w.dec_rows.start, w.dec_rows.stop) if w.latent is None
+                           else w.dec_rows for w in heads])
+    xp = _backend.array_module(decoder)
+    return (xp.ascontiguousarray(decoder[_kernels.device_constant(rows, decoder)]),
+            None if pw is None or not len(rows) else gather_rows(pw, rows))
 
 
 def forward(impl, current, encoder, encoder_v, decoder, attention, lengths, plan, saved,
-            relu_threshold, dropout, seed, keep):
+            relu_threshold, dropout, seed, row_offset, keep, packed=None, latent=None):
     """The layer on validated float32 inputs: ``(next, fields)``, ``fields`` the ctx's saved
-    tensors and quantized weights (None when ``keep`` is False)."""
+    tensors and quantized weights (None when ``keep`` is False). ``packed``: the weights'
+    quantized forms (``quantize_weights``), made here when None; ``latent``: the active latent
+    indices per head of a block pattern (``_pattern.latent_pattern``), or None.
+
+    With a lossy saved-activation policy (any format but ``"fp32"``) and quantized activations,
+    a projection keeps its int8 input codes (exact: what its straight-through weight gradient
+    multiplies) and the backward recomputes its ReLU output from them with the same kernel (the
+    same bits) instead of storing a lossy copy: ``x_neuron`` from the codes of ``current``, and
+    ``y_gate`` from those of ``LN(a)`` (which also stand for ``LN(a)`` in the norm's backward).
+    """
     xp = _backend.array_module(current)
     B, T, D = current.shape
     H, _, N = encoder.shape
     thr = np.float32(relu_threshold)
     stage = functools.partial(_profile.stage, "forward", like=current)
-    packed = _quantize_weights(plan, encoder, encoder_v, decoder)
+    if packed is None:
+        packed = quantize_weights(plan, encoder, encoder_v, decoder)
+    lossy = keep and saved is not None and saved.format != "fp32"
+    recompute_x, recompute_y = lossy and plan.x[1] is not None, lossy and plan.y[1] is not None
     bounds = starts(lengths, xp)
     cos, sin = rope_tables(T, N, xp)
+    heads = [head_weights(h, encoder, encoder_v, packed, cos, sin, latent) for h in range(H)]
+    offsets = np.concatenate([[0], np.cumsum([w.width for w in heads])])
     flat_residual = plan.residual != (None, None)
-    mlp = _backend.empty((B, T, D), np.float32, xp) if not flat_residual else None
-    flat = _backend.empty((B, T, H * N), np.float32, xp) if flat_residual else None
-    saved_x, saved_y, saved_a, saved_am, saved_ar = [], [], [], [], []
-    for h in range(H):
+    # Recomputing every head's y_neuron from the kept codes spares the [B, T, H * N] float32
+    # buffer of the decoder's input: pass one takes each token's max over the heads (the scale
+    # of Qa(y_neuron)), pass two quantizes each head's share with it.
+    two_pass = recompute_x and recompute_y and plan.residual[1] is not None
+    mlp = xp.zeros((B, T, D), np.float32) if not flat_residual else None
+    flat = (_backend.empty((B, T, int(offsets[-1])), np.float32, xp)
+            if flat_residual and not two_pass else None)
+    tops = xp.zeros((B * T, H), np.float32) if two_pass else None
+    saved_x, saved_y, saved_a, saved_am, saved_ar, saved_ac = ([None] * H for _ in range(6))
+    with stage("x projection"):
+        qx = _codes(current, plan.x[1])  # once for every head
+    for h, w in enumerate(heads):
+        if not w.width:  # no active block: the head contributes nothing
+            continue
         with stage("x projection"):
-            x_neuron = _project(current, encoder[h], packed.get("encoder", [None] * H)[h],
-                                plan.x[1])
-            x_neuron -= thr
-            xp.maximum(x_neuron, 0, out=x_neuron)
+            x_neuron = _relu(_project(current, qx, w.encoder, w.pwx), thr, xp)
         with stage("attention"):
             if attention == "causal_linear":
-                a = impl.causal_linear_forward(x_neuron, current, bounds, cos, sin)
+                a = impl.causal_linear_forward(x_neuron, current, bounds, w.cos, w.sin)
             else:
-                a = _softmax_attention(x_neuron, current, lengths)
+                a = _softmax_attention(x_neuron, current, lengths, N)
         with stage("norms"):
             a_hat, a_mean, a_rstd = normalize(a)
         with stage("y projection"):
-            y_gate = _project(a_hat, encoder_v[h], packed.get("encoder_v", [None] * H)[h],
-                              plan.y[1])
-            y_gate -= thr
-            xp.maximum(y_gate, 0, out=y_gate)
+            qa = _codes(a_hat, plan.y[1])
+            y_gate = _relu(_project(a_hat, qa, w.encoder_v, w.pwy), thr, xp)
             del a_hat
         with stage("product"):
             y_neuron = x_neuron * y_gate
             if dropout > 0:
-                y_neuron *= _dropout_scale((B, T, N), h, H, dropout, seed, xp)
+                _apply_dropout(y_neuron, h, H, N, dropout, seed, row_offset, xp, w.latent)
         if keep:
-            saved_x.append(save(x_neuron, saved, kind="nonneg"))
-            saved_y.append(save(y_gate, saved, kind="nonneg"))
-            saved_a.append(save(a, saved))
-            saved_am.append(save(a_mean, None))
-            saved_ar.append(save(a_rstd, None))
-        del x_neuron, y_gate, a
-        with stage("decoder tail"):
-            if flat_residual:
-                flat[:, :, h * N:(h + 1) * N] = y_neuron
-            elif h == 0:
-                xp.matmul(y_neuron, decoder[:N], out=mlp)
+            if not recompute_x:
+                saved_x[h] = save(x_neuron, saved, kind="nonneg")
+            if recompute_y:
+                saved_ac[h] = _save_codes(qa)
             else:
-                mlp += y_neuron @ decoder[h * N:(h + 1) * N]
+                saved_y[h] = save(y_gate, saved, kind="nonneg")
+                saved_a[h] = save(a, saved)
+                saved_am[h] = save(a_mean, None)
+            saved_ar[h] = save(a_rstd, None)
+        del x_neuron, y_gate, a, qa
+        with stage("decoder tail"):
+            if two_pass:
+                tops[:, h] = y_neuron.reshape(B * T, -1).max(axis=-1)
+            elif flat_residual:
+                flat[:, :, offsets[h]:offsets[h + 1]] = y_neuron
+            else:
+                mlp += y_neuron @ decoder[w.dec_rows]
             del y_neuron
+    resid_scale = None
     with stage("decoder tail"):
         if flat_residual:
-            # Row blocks: activations are quantized per row, so this is the one product, and
-            # the matmul's own temporaries stay a block's size.
-            mlp = _backend.empty((B, T, D), np.float32, xp)
-            rows, out_rows = flat.reshape(B * T, H * N), mlp.reshape(B * T, D)
-            for r0 in range(0, B * T, RESIDUAL_ROW_BLOCK):
-                out_rows[r0:r0 + RESIDUAL_ROW_BLOCK] = _project(
-                    rows[r0:r0 + RESIDUAL_ROW_BLOCK], decoder, packed.get("decoder"),
-                    plan.residual[1])
-            del flat, rows
+            dec32, pw_dec = decoder_rows(decoder, packed.get("decoder"), heads)
+        if two_pass:
+            codes = [_unpack_codes(q) for q in saved_ac]
+            mlp, resid_scale = _decoder_recomputed(current, qx, heads, codes, offsets, dec32,
+                                                   pw_dec, tops, plan.residual[1], thr,
+                                                   dropout, seed, row_offset, N, xp)
+        elif flat_residual:
+            mlp, resid_scale = _decoder_flat(flat, dec32, pw_dec, plan.residual[1], D, xp)
+            del flat
     with stage("residual"):
         m_hat, m_mean, m_rstd = normalize(mlp)
         m_hat += current
@@ -178,29 +301,89 @@ def forward(impl, current, encoder, encoder_v, decoder, attention, lengths, plan
     if not keep:
         return out, None
     return out, dict(
-        packed=packed, current=save(current, saved), x_neuron=saved_x, y_gate=saved_y,
-        attn=saved_a, attn_mean=saved_am, attn_rstd=saved_ar, mlp=save(mlp, saved),
-        mlp_mean=save(m_mean, None), mlp_rstd=save(m_rstd, None), out_mean=save(o_mean, None),
-        out_rstd=save(o_rstd, None))
+        packed=packed, latent=latent, current=save(current, saved),
+        x_codes=_save_codes(qx) if plan.x[1] is not None else None,
+        x_neuron=None if recompute_x else saved_x, y_gate=None if recompute_y else saved_y,
+        attn=None if recompute_y else saved_a, attn_mean=None if recompute_y else saved_am,
+        attn_rstd=saved_ar, attn_codes=saved_ac if recompute_y else None,
+        mlp=save(mlp, saved), mlp_mean=save(m_mean, None), mlp_rstd=save(m_rstd, None),
+        out_mean=save(o_mean, None), out_rstd=save(o_rstd, None),
+        resid_scale=None if resid_scale is None else save(resid_scale, None))
 
 
-def _seg_args(x_neuron, current, lengths):
-    B, T, N = x_neuron.shape
-    q = x_neuron.reshape(B * T, 1, N)
+def _decoder_flat(flat, decoder, pw, act, D, xp):
+    """``Qa(flat) @ Qw(decoder)`` over [B, T, F]: ``(mlp [B, T, D], row scales or None)``.
+
+    Row blocks: activations are quantized per row, so this is the one product, and the
+    quantizer's float temporaries stay a block's size.
+    """
+    B, T, F = flat.shape
+    mlp = _backend.empty((B, T, D), np.float32, xp)
+    if not F:
+        mlp.fill(0)
+    rows, out_rows = flat.reshape(B * T, F), mlp.reshape(B * T, D)
+    scale = _backend.empty((B * T,), np.float32, xp) if act is not None else None
+    for r0 in range(0, B * T, RESIDUAL_ROW_BLOCK if F else B * T):
+        r = slice(r0, r0 + RESIDUAL_ROW_BLOCK)
+        q = _codes(rows[r], act)
+        if F:
+            out_rows[r] = _project(rows[r], q, decoder, pw)
+        if q is not None:
+            scale[r] = q[1]
+    return mlp, scale
+
+
+def _decoder_recomputed(current, qx, heads, head_codes, offsets, decoder, pw, tops, act, thr,
+                        dropout, seed, row_offset, N, xp):
+    """The decoder product of ``_decoder_flat`` from recomputed heads, with the same bits.
+
+    ``tops`` [B * T, H]: each head's row max of ``y_neuron`` (>= 0), so quantizing it per row
+    gives the scale that quantizing the whole decoder input row gives (same absmax, same
+    kernel); ``head_codes``: per head the codes of LN(a). Each head's ``y_neuron`` is rebuilt
+    exactly as the first pass made it and quantized with that scale into one int8 buffer.
+    """
+    B, T, D = current.shape
+    H = len(heads)
+    _, scale = activation_codes(tops, act)
+    codes = xp.zeros((B * T, int(offsets[-1])), np.int8)
+    mlp = xp.zeros((B, T, D), np.float32)
+    for h, (w, qa) in enumerate(zip(heads, head_codes)):
+        if not w.width:
+            continue
+        y_neuron = _relu(_project(current, qx, w.encoder, w.pwx), thr, xp)
+        y_neuron *= _relu(straight_through_codes(*qa, w.encoder_v, w.pwy), thr, xp).reshape(
+            y_neuron.shape)
+        if dropout > 0:
+            _apply_dropout(y_neuron, h, H, N, dropout, seed, row_offset, xp, w.latent)
+        codes[:, offsets[h]:offsets[h + 1]] = row_codes(y_neuron.reshape(B * T, -1), scale,
+                                                         ACT_FORMATS[act], xp)
+        del y_neuron
+    if codes.shape[1]:
+        out_rows = mlp.reshape(B * T, D)
+        for r0 in range(0, B * T, RESIDUAL_ROW_BLOCK):
+            r = slice(r0, r0 + RESIDUAL_ROW_BLOCK)
+            out_rows[r] = straight_through_codes(codes[r], scale[r], decoder, pw)
+    return mlp, scale
+
+
+def _seg_args(x_neuron, current, lengths, N):
+    B, T, n = x_neuron.shape
+    q = x_neuron.reshape(B * T, 1, n)
     v = current.reshape(B * T, 1, current.shape[2])
     return q, v, list(lengths) * B, 1.0 / math.sqrt(N)
 
 
-def _softmax_attention(x_neuron, current, lengths):
-    """Causal softmax attention with q = k = x_neuron through lowbit.segmented_attention."""
-    q, v, tiled, scale = _seg_args(x_neuron, current, lengths)
+def _softmax_attention(x_neuron, current, lengths, N):
+    """Causal softmax attention with q = k = x_neuron through lowbit.segmented_attention (scale
+    ``1 / sqrt(N)``, N the head's full latent width whatever its block pattern)."""
+    q, v, tiled, scale = _seg_args(x_neuron, current, lengths, N)
     out = segmented_attention(q, q, v, tiled, scale=scale, causal=True)
     return out.reshape(current.shape)
 
 
-def _softmax_attention_backward(da, x_neuron, current, lengths):
+def softmax_attention_backward(da, x_neuron, current, lengths, N):
     """Gradients (dx_neuron, dcurrent) of ``_softmax_attention``; recomputes its forward."""
-    q, v, tiled, scale = _seg_args(x_neuron, current, lengths)
+    q, v, tiled, scale = _seg_args(x_neuron, current, lengths, N)
     _, actx = segmented_attention_forward(q, q, v, tiled, scale=scale, causal=True)
     dq, dk, dv = segmented_attention_backward(da.reshape(v.shape[0], 1, -1), actx)
     dq += dk
@@ -213,129 +396,10 @@ def _normalized(saved_x, mean, rstd):
     return (x - mean.unpack()[..., None]) * rstd.unpack()[..., None]
 
 
-def backward(impl, dnext, ctx, grads):
-    """Gradients of the layer into ``grads = (dencoder, dencoder_v, ddecoder)`` (added in
-    place); returns ``(dcurrent, dencoder, dencoder_v, ddecoder)``. ``dnext`` float32."""
-    xp = _backend.array_module(dnext)
-    dencoder, dencoder_v, ddecoder = grads
-    B, T, D, H, N = ctx.shape
-    plan = ctx.plan
-    stage = functools.partial(_profile.stage, "backward", like=dnext)
-    bounds = starts(ctx.lengths, xp)
-    cos, sin = rope_tables(T, N, xp)
-    current = ctx.current.unpack()
-    with stage("residual"):
-        m_hat = _normalized(ctx.mlp, ctx.mlp_mean, ctx.mlp_rstd)
-        r_hat = (current + m_hat - ctx.out_mean.unpack()[..., None]) * ctx.out_rstd.unpack()[
-            ..., None]
-        dcurrent = normalize_backward(dnext, r_hat, ctx.out_rstd.unpack())
-        del r_hat
-        dmlp = normalize_backward(dcurrent, m_hat, ctx.mlp_rstd.unpack())
-        del m_hat
-    with stage("decoder tail"):
-        # The decoder's rows of each head as a packed weight of its own, and the per-token scale
-        # of Qa(y_neuron) over all H * N features.
-        pw = ctx.packed.get("decoder")
-        dec_heads = [None if pw is None else weight_rows(pw, h * N, (h + 1) * N)
-                     for h in range(H)]
-        act = plan.residual[1]
-        row_scale = _residual_row_scale(ctx, act, xp) if act is not None else None
-    for h in range(H):
-        x_all = ctx.x_neuron[h].unpack()
-        y_all = ctx.y_gate[h].unpack()
-        a_all = ctx.attn[h].unpack()
-        heads = slice(h * N, (h + 1) * N)
-        # One batch row at a time: the per-row temporaries are 1 / B of a head's.
-        for b in range(B):
-            rows = slice(b, b + 1)
-            x_neuron, y_gate, dmlp_b = x_all[rows], y_all[rows], dmlp[rows]
-            keep = (_dropout_scale((B, T, N), h, H, ctx.dropout, ctx.seed, xp, rows)
-                    if ctx.dropout > 0 else None)
-            with stage("decoder tail"):
-                y_neuron = x_neuron * y_gate
-                if keep is not None:
-                    y_neuron *= keep
-                if act is None:
-                    a, scale_a = _rows(y_neuron, xp), None
-                else:
-                    scale_a = row_scale[rows].reshape(-1)
-                    a = _row_codes(y_neuron.reshape(-1, N), scale_a, ACT_FORMATS[act], xp)
-                del y_neuron
-                dy_neuron, dw = straight_through_backward(dmlp_b.reshape(T, D),
-                                                          ctx.decoder[heads], dec_heads[h], a,
-                                                          scale_a)
-                ddecoder[heads] += dw
-                dy_neuron = dy_neuron.reshape(1, T, N)
-                del a, dw
-            with stage("product"):
-                if keep is not None:
-                    dy_neuron *= keep
-                del keep
-                dx_neuron = dy_neuron * y_gate
-                dy_pre = dy_neuron
-                dy_pre *= x_neuron
-                dy_pre *= y_gate > 0
-                del dy_neuron
-            with stage("norms"):
-                a_hat = ((a_all[rows] - ctx.attn_mean[h].unpack()[rows][..., None])
-                         * ctx.attn_rstd[h].unpack()[rows][..., None])
-            with stage("y projection"):
-                pwv = ctx.packed["encoder_v"][h] if "encoder_v" in ctx.packed else None
-                da_hat, dw = _project_backward(dy_pre, a_hat, ctx.encoder_v[h], pwv, plan.y[1],
-                                               xp)
-                dencoder_v[h] += dw
-                del dy_pre, dw
-            with stage("norms"):
-                da = normalize_backward(da_hat, a_hat, ctx.attn_rstd[h].unpack()[rows])
-                del a_hat, da_hat
-            with stage("attention"):
-                if ctx.attention == "causal_linear":
-                    dxa, dva = impl.causal_linear_backward(da, x_neuron, current[rows], bounds,
-                                                           cos, sin)
-                else:
-                    dxa, dva = _softmax_attention_backward(da, x_neuron, current[rows],
-                                                           ctx.lengths)
-                del da
-                dcurrent[rows] += dva
-                dx_neuron += dxa
-                del dxa, dva
-            with stage("x projection"):
-                dx_neuron *= x_neuron > 0
-                pwx = ctx.packed["encoder"][h] if "encoder" in ctx.packed else None
-                dcur_b, dw = _project_backward(dx_neuron, current[rows], ctx.encoder[h], pwx,
-                                               plan.x[1], xp)
-                dencoder[h] += dw
-                dcurrent[rows] += dcur_b
-                del dcur_b, dx_neuron, dw, x_neuron, y_gate
-        del x_all, y_all, a_all
-    return dcurrent, dencoder, dencoder_v, ddecoder
-
-
-def _residual_row_scale(ctx, act, xp):
-    """Per-token scale of ``Qa(y_neuron)`` over all H * N features: [B, T] float32.
-
-    The formula of ``lowbit.quantize_activation`` (``max(max|row|, eps) / qmax``; the rows are
-    non-negative), computed head by head so the backward never holds all of ``y_neuron``.
-    """
-    B, T, D, H, N = ctx.shape
-    top = xp.zeros((B, T), np.float32)
-    for h in range(H):
-        xp.maximum(top, _product(ctx, h, xp).max(axis=-1), out=top)
-    return xp.maximum(top, np.float32(EPS)) / np.float32(ACT_FORMATS[act])
-
-
-def _row_codes(x, scale, qmax, xp):
-    """``clip(rint(x / scale), -qmax, qmax)`` as int8 codes, with a given row scale [M]."""
+def row_codes(x, scale, qmax, xp):
+    """``clip(rint(x / scale), -qmax, qmax)`` as int8 codes with a given row scale [M]: the
+    quantizer's own arithmetic (``lowbit.quantize_activation``), for a scale found elsewhere."""
     q = x / scale[:, None]
     xp.rint(q, out=q)
     xp.clip(q, -qmax, qmax, out=q)
     return q.astype(np.int8)
-
-
-def _product(ctx, h, xp):
-    """Recompute ``y_neuron`` of head ``h`` from the saved x_neuron and y_gate."""
-    B, T, D, H, N = ctx.shape
-    y_neuron = ctx.x_neuron[h].unpack() * ctx.y_gate[h].unpack()
-    if ctx.dropout > 0:
-        y_neuron *= _dropout_scale((B, T, N), h, H, ctx.dropout, ctx.seed, xp)
-    return y_neuron

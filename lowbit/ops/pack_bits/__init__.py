@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from ... import _backend, _dispatch, _validate
+from ... import _backend, _dispatch, _kernels, _validate
 
 #: Bit widths that divide a byte.
 BITS = (1, 2, 4, 8)
@@ -52,13 +52,22 @@ def pack_bits(codes, bits, axis=-1):
     ax = _validate.axis(axis, codes.ndim) if codes.ndim else None
     if ax is None:
         raise ValueError("codes must have at least one dimension, got a 0-d array")
-    if codes.size:
-        lo, hi = int(codes.min()), int(codes.max())
+    xp = _backend.array_module(codes)
+    # uint8 codes always fit 8 bits; otherwise both bounds come back in one read.
+    if codes.size and not (codes.dtype == np.uint8 and bits == 8):
+        lo, hi = (int(v) for v in _kernels.host_copy(xp.stack([codes.min(), codes.max()])))
         if lo < 0 or hi >= 1 << bits:
             raise ValueError(
                 f"codes must lie in [0, {1 << bits}) for bits={bits}, got values in [{lo}, {hi}]"
             )
+    return pack_codes(codes, bits, ax)
+
+
+def pack_codes(codes, bits: int, axis: int = -1):
+    """``pack_bits`` without its checks, for codes in range by construction (a kernel's output):
+    ``codes`` an integer array, ``bits`` in ``BITS``, ``axis`` a valid axis."""
     xp = _backend.array_module(codes)
+    ax = axis % codes.ndim
     _, impl = _dispatch.resolve("pack_bits", codes)
     moved = xp.moveaxis(codes, ax, -1)
     n = moved.shape[-1]

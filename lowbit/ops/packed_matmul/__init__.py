@@ -113,29 +113,68 @@ def straight_through_forward(x, w32, pw, act):
         return _forward(x, pw, act)
     if act is not None:
         codes, scale = activation_codes(x, act)
-        return (codes.astype(np.float32) @ w32) * scale[:, None], codes, scale
+        return straight_through_codes(codes, scale, w32, None), codes, scale
     _validate.all_finite(x, "x")
     return _float32_rows(x) @ w32, None, None
 
 
-def straight_through_backward(dy, w32, pw, a, scale_a):
+def straight_through_codes(codes, scale, w32, pw):
+    """``y = Qa(x) @ Qw(w)`` from activation codes kept by ``straight_through_forward``: the same
+    kernels on the same codes, so the same bits (a backward recomputes a projection with it).
+
+    Args:
+        codes: [M, K] int8 activation codes; scale: [M] float32 row scales.
+        w32: [K, N] float32 master weight (used when ``pw`` is None); pw: its ``PackedWeight``.
+
+    Returns:
+        y [M, N] float32.
+    """
+    if pw is None:
+        return (codes.astype(np.float32) @ w32) * scale[:, None]
+    _, impl = _dispatch.resolve("packed_matmul", codes, pw.data)
+    return impl.matmul_int(codes, scale, pw.data, pw.scale, pw.format, pw.shape[0])
+
+
+#: Gradient formats of the straight-through backward besides None (exact float32 products).
+GRAD_FORMATS = ("int8",)
+
+
+def _grad_format(grad_format, quantized):
+    """Validated ``grad_format``; ``quantized``: whether weight and activations have codes."""
+    if grad_format is None:
+        return None
+    if not isinstance(grad_format, str) or grad_format not in GRAD_FORMATS:
+        raise ValueError(f"grad_format must be None or one of {GRAD_FORMATS}, "
+                         f"got {grad_format!r}")
+    if not quantized:
+        raise ValueError(f"grad_format={grad_format!r} needs a weight_format and an act_format: "
+                         f"its integer products take the weight and activation codes")
+    return grad_format
+
+
+def straight_through_backward(dy, w32, pw, a, scale_a, grad_format=None):
     """Straight-through backward of ``straight_through_forward``: ``(dx, dw)`` float32.
 
     ``dx = dy @ Qw(w).T`` runs on the packed dx kernels when ``pw`` is given (for ternary and
     sign a signed sum of ``dy`` entries times the one scale); ``dw = Qa(x).T @ dy``. The
-    quantizers' own derivatives are taken as the identity.
+    quantizers' own derivatives are taken as the identity. With ``grad_format="int8"`` both
+    products take int8 codes of ``dy`` instead (``_int8_gradients``).
 
     Args:
         dy: [M, N] float32 rows.
         w32: [K, N] float32 master weight; pw: its ``PackedWeight`` or None.
         a: [M, K] int8 activation codes with ``scale_a`` [M] float32, or the float32 input rows
             with ``scale_a`` None.
+        grad_format: None (exact float32 products) or "int8" (needs ``pw`` and codes ``a``).
 
     Returns:
         dx [M, K], dw [K, N].
     """
+    grad_format = _grad_format(grad_format, pw is not None and scale_a is not None)
     g = _float32_rows(dy)
     K = w32.shape[0]
+    if grad_format is not None:
+        return _int8_gradients(g, pw, a, scale_a)
     if pw is not None:
         _, impl = _dispatch.resolve("packed_matmul", g, pw.data)
         dx = impl.matmul_dx(g, pw.data, pw.scale, pw.format, K)
@@ -143,6 +182,29 @@ def straight_through_backward(dy, w32, pw, a, scale_a):
         _, impl = _dispatch.resolve("packed_matmul", g)
         dx = g @ w32.T
     return dx, impl.matmul_dw(g, a, scale_a)
+
+
+def _int8_gradients(g, pw, a, scale_a):
+    """``(dx, dw)`` from int8 codes of the gradient, exact integer products and float32 scales.
+
+    dx: each row of ``g`` (times an int8 weight's column scales, which sit inside the sum over N)
+    is quantized like an activation row, so its scale factors out of the row's sums:
+    ``dx = float32(codes_g @ codes_w.T) * scale_g[:, None] * scale_w``. dw sums over rows whose
+    activation scales differ, so the column ``scale_a[m] * g[m, n]`` over m is quantized instead:
+    ``dw = float32(codes_a.T @ codes_c) * scale_c`` (the packed matmul with the column codes as an
+    int8 weight).
+    """
+    xp = _backend.array_module(g)
+    K, M = pw.shape[0], g.shape[0]
+    per_tensor = pw.scale.ndim == 0
+    rows, scale_g = quantize_rows(g if per_tensor else g * pw.scale, "int8", "dy")
+    _, impl = _dispatch.resolve("packed_matmul", rows, pw.data)
+    dx = impl.matmul_dx_int(rows, scale_g, pw.data, pw.scale if per_tensor else np.float32(1),
+                            pw.format, K)
+    cols, scale_c = quantize_rows(xp.ascontiguousarray((g * scale_a[:, None]).T), "int8", "dy")
+    dw = impl.matmul_int(xp.ascontiguousarray(a.T), xp.ones(K, np.float32), cols, scale_c,
+                         "int8", M)
+    return dx, dw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +261,8 @@ def linear_forward(x, w, weight_format, act_format="int8", *, saved=None):
     xp = _backend.array_module(x, w)
     K, N = w.shape
     w32 = xp.ascontiguousarray(w, dtype=np.float32)
+    if wf is None:  # quantize_weight checks a weight it packs (its scale carries any NaN/inf)
+        _validate.all_finite(w32, "w")
     pw = quantize_weight(w, wf) if wf is not None else None
     y, codes, scale = straight_through_forward(x, w32, pw, act)
     act_saved = None
@@ -213,25 +277,41 @@ def linear_forward(x, w, weight_format, act_format="int8", *, saved=None):
     return y.reshape(x.shape[:-1] + (N,)), ctx
 
 
-def linear_backward(dy, ctx):
+def linear_backward(dy, ctx, *, grad_format=None):
     """Straight-through backward of ``linear_forward``.
 
     ``dx = dy @ Qw(w).T`` from the packed weight: for ternary and sign a signed sum of ``dy``
-    entries times the one scale (the CUDA kernel adds and subtracts; the CPU backends hand the
-    decoded codes in {-1, 0, 1} to BLAS, whose products by them are exact). ``dw = Qa(x).T @ dy``
+    entries times the one scale (the CUDA kernel adds and subtracts; on the CPU the codes in
+    {-1, 0, 1}, decoded to float32, multiply exactly: numba's AVX-512 tiles decode them on the
+    fly, otherwise BLAS takes decoded tiles). ``dw = Qa(x).T @ dy``
     from what the ctx saved, leading axes flattened. The quantizers' own derivatives are taken as
     the identity (straight-through estimator).
+
+    With ``grad_format="int8"`` (opt-in; needs a weight and an activation format) ``dy`` is
+    quantized to int8 and both products run as exact integer sums of codes: ``dx`` from the rows
+    of ``dy`` quantized per row (an int8 weight's column scales applied first), ``dw`` from the
+    columns of ``scale_a[:, None] * dy`` quantized per column, so that each scale factors out of
+    its sum (``reference/packed_matmul.py``'s ``linear_bwd_int8_ref`` spells it out). An
+    approximation of the exact gradients (``bench/matmul.py`` reports their cosine).
 
     Args:
         dy: [..., N] float32 or float64, the shape of the forward output.
         ctx: the ``LinearCtx`` from ``linear_forward``.
+        grad_format: None (exact float32 products) or "int8".
 
     Returns:
         ``(dx, dw)``: dx float32 of ``x``'s shape, dw [K, N] float32.
+
+    Raises:
+        TypeError: ``ctx`` not a LinearCtx, ``dy`` not a float array.
+        ValueError: ``dy`` of the wrong shape, an unknown ``grad_format`` or one the ctx's formats
+            cannot take, a non-finite ``dy`` with ``grad_format``.
     """
     if not isinstance(ctx, LinearCtx):
         raise TypeError(f"ctx must be the LinearCtx from lowbit.linear_forward, "
                         f"got {type(ctx).__name__}")
+    grad_format = _grad_format(grad_format,
+                               ctx.packed is not None and ctx.act_format is not None)
     dy = _validate.as_array(dy, "dy")
     _validate.floating(dy, "dy")
     K, N = ctx.weight.shape
@@ -243,5 +323,5 @@ def linear_backward(dy, ctx):
         xp = _backend.array_module(dy, ctx.weight)
         a = xp.ascontiguousarray(ctx.act.unpack().reshape(-1, K), dtype=np.float32)
         scale_a = None
-    dx, dw = straight_through_backward(dy, ctx.weight, ctx.packed, a, scale_a)
+    dx, dw = straight_through_backward(dy, ctx.weight, ctx.packed, a, scale_a, grad_format)
     return dx.reshape(ctx.x_shape), dw

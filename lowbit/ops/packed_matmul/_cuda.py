@@ -13,7 +13,8 @@ from ... import _backend, _kernels
 SOURCE = "packed_matmul.cu"
 _FORMAT_ID = {"ternary": 0, "sign": 1, "int8": 2}
 NAME_EXPRESSIONS = tuple(
-    [f"{kernel}<{fmt}>" for kernel in ("gemv_int", "gemm_int", "matmul_float", "matmul_dx")
+    [f"{kernel}<{fmt}>"
+     for kernel in ("gemv_int", "gemm_int", "matmul_float", "matmul_dx", "matmul_dx_int")
      for fmt in range(3)]
     + ["matmul_dw_codes", "matmul_dw_float"]
 )
@@ -27,6 +28,9 @@ WARP = 32
 THREADS = 256
 #: Grid-stride loops cover the rest; enough blocks to fill any current GPU.
 MAX_BLOCKS = 4096
+#: Blocks of the float path's (row, column group) loop: one full wave of 256-thread blocks on an
+#: H200 (132 SMs x 8), so any number of rows is covered without a grid limit.
+FLOAT_BLOCKS = 1024
 #: The constants of the .cu file this launcher mirrors (tests/test_launch_constants.py).
 CU_CONSTANTS = {
     "kGemvWarps": GEMV_WARPS, "kGemmWarps": GEMM_WARPS, "kTileM": TILE_M, "kTileN": TILE_N,
@@ -66,10 +70,15 @@ def matmul_int(codes_x, scale_x, data, scale_w, format, K):
             np.int64(nbytes), stride)
     fmt = _FORMAT_ID[format]
     if M <= GEMV_MAX_ROWS:
-        _kernel(f"gemv_int<{fmt}>", codes_x)((-(-N // GEMV_WARPS), M), (GEMV_WARPS * WARP,), args)
+        _kernel(f"gemv_int<{fmt}>", codes_x)(
+            _kernels.grid(-(-N // GEMV_WARPS), M, what="packed_matmul"), (GEMV_WARPS * WARP,),
+            args)
     else:
-        _kernel(f"gemm_int<{fmt}>", codes_x)((-(-N // TILE_N), -(-M // TILE_M)),
-                                             (GEMM_WARPS * WARP,), args)
+        # The kernel strides over row tiles by gridDim.y: clamp it to CUDA's limit.
+        row_tiles = min(-(-M // TILE_M), _kernels.MAX_GRID[1])
+        _kernel(f"gemm_int<{fmt}>", codes_x)(
+            _kernels.grid(-(-N // TILE_N), row_tiles, what="packed_matmul"),
+            (GEMM_WARPS * WARP,), args)
     return y
 
 
@@ -81,8 +90,9 @@ def matmul_float(x, data, scale_w, format, K):
     y = _backend.empty((M, N), np.float32, xp)
     if y.size:
         sw, stride = _scale_args(scale_w)
+        tasks = M * -(-N // GEMV_WARPS)
         _kernel(f"matmul_float<{_FORMAT_ID[format]}>", x)(
-            (-(-N // GEMV_WARPS), M), (GEMV_WARPS * WARP,),
+            (min(tasks, FLOAT_BLOCKS),), (GEMV_WARPS * WARP,),
             (x, data.view(np.uint8), sw, y, np.int64(M), np.int64(N), np.int64(K),
              np.int64(nbytes), stride))
     return y
@@ -99,6 +109,24 @@ def matmul_dx(dy, data, scale_w, format, K):
             (max(1, min(MAX_BLOCKS, -(-dx.size // THREADS))),), (THREADS,),
             (dy, data.view(np.uint8), sw, dx, np.int64(M), np.int64(N), np.int64(K),
              np.int64(data.shape[1])))
+    return dx
+
+
+def matmul_dx_int(dy_codes, dy_scale, data, scale, format, K):
+    """dy_codes [M, N] int8, dy_scale [M] float32 -> dx [M, K] float32
+    ``float32(dy_codes @ codes_w.T) * dy_scale[:, None] * scale`` (``scale`` 0-d float32)."""
+    xp = _backend.array_module(dy_codes)
+    M, N = dy_codes.shape
+    dx = _backend.empty((M, K), np.float32, xp)
+    if dx.size:
+        # A host scale (the caller's 1 for per-column weights) is uploaded once, then cached.
+        sw = (xp.ascontiguousarray(scale, dtype=np.float32).reshape(-1)
+              if _backend.is_cupy_array(scale) or not _backend.is_cupy_array(dy_codes)
+              else _kernels.device_constant(np.asarray(scale, np.float32).reshape(1), dy_codes))
+        _kernel(f"matmul_dx_int<{_FORMAT_ID[format]}>", dy_codes)(
+            (max(1, min(MAX_BLOCKS, -(-dx.size // THREADS))),), (THREADS,),
+            (dy_codes, dy_scale, data.view(np.uint8), sw, dx, np.int64(M), np.int64(N),
+             np.int64(K), np.int64(data.shape[1])))
     return dx
 
 

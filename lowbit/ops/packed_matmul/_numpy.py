@@ -57,6 +57,25 @@ def matmul_dx(dy, data, scale_w, format, K):
     return dx
 
 
+def matmul_dx_int(dy_codes, dy_scale, data, scale, format, K):
+    """Exact integer ``dy_codes @ codes_w.T``, then the two scales: the dx of int8 gradients.
+
+    Args:
+        dy_codes: [M, N] int8 gradient codes; dy_scale: [M] float32 their row scales.
+        data: packed weight [N, bytes]; scale: 0-d float32 multiplying every element; format; K.
+
+    Returns:
+        [M, K] float32: ``float32(acc) * dy_scale[:, None] * scale``, rounded in that order.
+    """
+    xp = _backend.array_module(dy_codes)
+    # integers in float64, exact as in matmul_int
+    cw = unpack_weight(data, format, K).astype(np.float64)
+    acc = dy_codes.astype(np.float64) @ cw
+    dx = _backend.empty(acc.shape, np.float32, xp)
+    dx[...] = acc.astype(np.float32) * dy_scale[:, None] * scale
+    return dx
+
+
 def matmul_dw(dy, a, scale_a):
     """dw [K, N] float32 = ``Qa(x).T @ dy``.
 

@@ -25,8 +25,8 @@ import dataclasses
 
 import numpy as np
 
-from ... import _backend, _dispatch, _validate
-from ..pack_bits import pack_bits
+from ... import _backend, _dispatch, _kernels, _validate
+from ..pack_bits import pack_codes
 
 #: Weight formats and the bits each stored code takes.
 WEIGHT_FORMATS = {"ternary": 2, "sign": 1, "int8": 8}
@@ -149,8 +149,16 @@ def _weight_input(w, name="w"):
         raise ValueError(f"{name} must have shape (K, N), got rank {w.ndim} shape {w.shape}")
     if w.shape[0] < 1 or w.shape[1] < 1:
         raise ValueError(f"{name} must have K >= 1 and N >= 1, got shape {w.shape}")
-    _validate.all_finite(w, name)
     return w
+
+
+def _finite_scale(scale, w, name):
+    """Raise if a weight's scale is not finite: the statistic carries any NaN or inf of ``w``
+    (mean |w| in float64, or the column absmax), so one read of one flag checks the weight."""
+    xp = _backend.array_module(scale)
+    if _kernels.read_status(~xp.isfinite(scale).all()):
+        _validate.all_finite(w, name)
+        raise ValueError(f"{name} must have a finite scale; mean |{name}| overflows {w.dtype}")
 
 
 def quantize_weight(w, format) -> PackedWeight:
@@ -171,8 +179,10 @@ def quantize_weight(w, format) -> PackedWeight:
     w = _weight_input(w)
     _, impl = _dispatch.resolve("quantize", w)
     stored, scale = impl.weight_codes(w, format)
+    _finite_scale(scale, w, "w")
     if format != "int8":
-        stored = pack_bits(stored, WEIGHT_FORMATS[format], axis=-1)
+        # The codes come from the kernel, in range by construction: no range check to read.
+        stored = pack_codes(stored, WEIGHT_FORMATS[format], axis=-1)
     xp = _backend.array_module(w)
     return PackedWeight(format, tuple(w.shape), stored, xp.asarray(scale, dtype=np.float32))
 
@@ -191,14 +201,15 @@ def quantize_rows(x, format, name="x"):
     """Validated per-row quantization shared with ``packed_matmul``: ``(codes, scale)``.
 
     ``x`` must already be checked by ``_rows``. Non-finite rows are found by the backend in the
-    same pass as the absmax (their scale comes back non-finite) and raise ``ValueError`` here.
+    same pass as the absmax (their scale comes back non-finite) and raise ``ValueError`` here,
+    after one read of one flag (the row is looked up only on that error path).
     """
     xp = _backend.array_module(x)
     K = x.shape[-1]
     rows = xp.ascontiguousarray(x).reshape(-1, K)
     _, impl = _dispatch.resolve("quantize", rows)
     codes, scale = impl.row_codes(rows, ACT_FORMATS[format])
-    if scale.size and not bool(xp.isfinite(scale).all()):
+    if scale.size and _kernels.read_status(~xp.isfinite(scale).all()):
         bad = int(xp.flatnonzero(~xp.isfinite(scale))[0])
         raise ValueError(f"{name} must be finite, got a non-finite value in row {bad}")
     return codes.reshape(x.shape), scale.reshape(x.shape[:-1])
@@ -258,12 +269,24 @@ def weight_rows(pw, k0: int, k1: int) -> PackedWeight:
     per = pw.codes_per_byte
     if k0 % per == 0 and (k1 % per == 0 or k1 == K):
         data = xp.ascontiguousarray(pw.data[:, k0 // per:-(-k1 // per)])
+        return PackedWeight(pw.format, (k1 - k0, N), data, pw.scale)
+    return _repacked_rows(pw, pw.codes()[k0:k1])
+
+
+def weight_rows_at(pw, rows) -> PackedWeight:
+    """Rows ``rows`` (input features: a sorted index array of the array module of ``pw.data``)
+    of a packed weight, re-packed from its codes with the same scale (nothing is re-quantized)."""
+    return _repacked_rows(checked_packed(pw, "pw"), pw.codes()[rows])
+
+
+def _repacked_rows(pw, codes):
+    """A ``PackedWeight`` of the format and scale of ``pw`` holding the signed codes [k, N]."""
+    xp = _backend.array_module(codes)
+    codes_nk = codes.T
+    if pw.format == "int8":
+        data = xp.ascontiguousarray(codes_nk)
     else:
-        codes = pw.codes()[k0:k1].T
-        if pw.format == "int8":
-            data = xp.ascontiguousarray(codes)
-        else:
-            stored = codes + 1 if pw.format == "ternary" else codes > 0
-            data = pack_bits(xp.ascontiguousarray(stored.astype(np.uint8)),
-                             WEIGHT_FORMATS[pw.format], axis=-1)
-    return PackedWeight(pw.format, (k1 - k0, N), data, pw.scale)
+        stored = codes_nk + 1 if pw.format == "ternary" else codes_nk > 0
+        data = pack_codes(xp.ascontiguousarray(stored.astype(np.uint8)),
+                          WEIGHT_FORMATS[pw.format], axis=-1)
+    return PackedWeight(pw.format, (codes.shape[0], pw.shape[1]), data, pw.scale)

@@ -39,9 +39,9 @@ def _column_scales(w, out):
         m = zero
         for k in range(K):
             a = abs(w[k, n])
-            if a > m:
+            if a > m or a != a:  # a NaN must reach the scale: the caller's finiteness check
                 m = a
-        out[n] = max(m, eps) / top
+        out[n] = (m if m > eps or m != m else eps) / top
 
 
 @numba.njit(parallel=True, cache=True)

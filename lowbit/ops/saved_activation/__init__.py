@@ -33,7 +33,7 @@ import math
 
 import numpy as np
 
-from ... import _backend, _dispatch, _validate
+from ... import _backend, _dispatch, _kernels, _validate
 from ..._ctx import Exact, Saved
 from ..pack_bits import pack_bits, unpack_bits
 
@@ -164,7 +164,12 @@ class PackedActivation(Saved):
 
 
 def _raise_status(status, kind):
-    flags = int(status.max()) if status.size else 0
+    """Raise for the flags of a backend's status array: one reduction on its array module, then
+    one read of one byte (the op's only read from the device)."""
+    _raise_flags(_kernels.read_status(status.max()) if status.size else 0, kind)
+
+
+def _raise_flags(flags, kind):
     if flags & STATUS_NONFINITE:
         raise ValueError("x must be finite, got non-finite values")
     if flags & STATUS_NEGATIVE:
@@ -207,11 +212,11 @@ def pack_activation(x, format, *, kind="values", group_size=256, rounding="neare
     nonneg = kind == "nonneg"
     if format == "fp32":
         if x.size:
-            # min and max carry any NaN or inf: two read-only reductions, no boolean temporaries.
-            lo, hi = float(x.min()), float(x.max())
+            # min and max carry any NaN or inf: two read-only reductions, no boolean temporaries,
+            # and one read of both.
+            lo, hi = (float(v) for v in _kernels.host_copy(xp.stack([x.min(), x.max()])))
             flags = 0 if math.isfinite(lo) and math.isfinite(hi) else STATUS_NONFINITE
-            _raise_status(np.array([flags | (STATUS_NEGATIVE if nonneg and lo < 0 else 0)]),
-                          kind)
+            _raise_flags(flags | (STATUS_NEGATIVE if nonneg and lo < 0 else 0), kind)
         return PackedActivation(*meta, data=x.astype(np.float32, copy=False))
     _, impl = _dispatch.resolve("saved_activation", x)
     stochastic = rounding == "stochastic"

@@ -2,7 +2,7 @@
 
 Siblings: ``_numpy.py``, ``_numba/``; reference ``reference/saved_activation.py``. The sparse
 format takes a prefix sum of per-chunk nonzero counts between kernels (``xp.cumsum``) and reads
-the nonzero count back to size its outputs.
+the nonzero count back to size its outputs (its one read besides the status).
 """
 
 import math
@@ -87,12 +87,12 @@ def unpack_dense(codes, scales, mins, bits, n, group_size):
 
 
 def _chunk_offsets(counts, xp):
-    """Exclusive prefix sum of per-chunk counts (int64) and the total."""
+    """Exclusive prefix sum of per-chunk counts (int64), and the inclusive one (on the device)."""
     inclusive = xp.cumsum(counts)
     offsets = _backend.empty(counts.shape, np.int64, xp)
     offsets[0] = 0
     offsets[1:] = inclusive[:-1]
-    return offsets, int(inclusive[-1])
+    return offsets, inclusive
 
 
 def pack_sparse(flat, group_size, stochastic, key):
@@ -107,7 +107,9 @@ def pack_sparse(flat, group_size, stochastic, key):
     dtype = _kernels.CTYPE[flat.dtype]
     _kernel(f"sparse_count<{dtype}>", flat)(
         _grid(chunks), (THREADS,), (flat, mask, counts, status, np.int64(size)))
-    offsets, nnz = _chunk_offsets(counts, xp)
+    offsets, inclusive = _chunk_offsets(counts, xp)
+    # The one size the host must know: the nonzero count sizes the outputs.
+    nnz = int(_kernels.host_copy(inclusive[-1:])[0])
     # Compacted nonzeros (and their noise): scratch of nnz elements, not of the full tensor.
     values = _backend.empty((max(nnz, 1),), np.float32, xp)
     noise = _backend.empty((max(nnz, 1) if stochastic else 1,), np.float32, xp)

@@ -1,7 +1,8 @@
 """Launchers for ``cuda/segmented_attention.cu`` (backends cuda and cudasim).
 
-The host builds the prefix table of row blocks per segment once per call and uploads it with
-the segment offsets; the grid covers the row blocks of every segment. Backward: one kernel for
+The host builds the prefix table of row blocks per segment and keeps it on the device with the
+segment offsets (``_kernels.device_constant``: one upload per device and segment layout); the
+grid covers the row blocks of every segment. Backward: one kernel for
 ``delta = rowsum(dout * out)``, one for ``dq`` per query block and one for ``dk``/``dv`` per key
 block (looping over the query heads of its group), so nothing is summed with float atomics.
 Siblings: ``_numpy.py``, ``_numba.py``; reference ``reference/segmented_attention.py``.
@@ -40,12 +41,14 @@ def _chunk(dim, dim_v):
                      f"got D={dim}, Dv={dim_v} (q, k, v); use the numba or numpy backend")
 
 
-def _tables(offsets, xp):
-    """Device copies of the segment offsets and the row-block prefix table, and the block count."""
+def _tables(offsets, like):
+    """Device copies of the segment offsets and the row-block prefix table (uploaded once per
+    device and content), and the block count."""
     blocks = -(-np.diff(offsets) // BLOCK_ROWS)
     prefix = np.zeros(offsets.size, np.int64)
     np.cumsum(blocks, out=prefix[1:])
-    return xp.asarray(offsets), xp.asarray(prefix), int(prefix[-1])
+    return (_kernels.device_constant(offsets, like), _kernels.device_constant(prefix, like),
+            int(prefix[-1]))
 
 
 def _function(kind, like, dtype, chunk=None):
@@ -62,10 +65,12 @@ def forward(q, k, v, offsets, scale, causal):
     chunk = _chunk(dim, dim_v)
     out = _backend.empty((tokens, heads, dim_v), q.dtype, xp)
     lse = _backend.empty((heads, tokens), q.dtype, xp)
-    offs, prefix, blocks = _tables(offsets, xp)
-    shared = TILE * (dim + dim_v) * q.itemsize
-    _function("fwd", q, q.dtype, chunk)(
-        (blocks, heads), (THREADS,),
+    offs, prefix, blocks = _tables(offsets, q)
+    kernel = _function("fwd", q, q.dtype, chunk)
+    shared = _kernels.dynamic_shared(kernel, TILE * (dim + dim_v) * q.itemsize, q,
+                                     "segmented_attention")
+    kernel(
+        _kernels.grid(blocks, heads, what="segmented_attention"), (THREADS,),
         (q, k, v, offs, prefix, out, lse, np.int64(offsets.size - 1), np.int64(tokens),
          np.int64(heads), np.int64(kv_heads), np.int64(dim), np.int64(dim_v),
          q.dtype.type(scale), np.int32(causal)),
@@ -80,7 +85,7 @@ def backward(dout, q, k, v, out, lse, offsets, scale, causal):
     kv_heads, dim_v = k.shape[1], v.shape[2]
     chunk = _chunk(dim, dim_v)
     dtype = q.dtype.type
-    offs, prefix, blocks = _tables(offsets, xp)
+    offs, prefix, blocks = _tables(offsets, q)
     delta = _backend.empty((heads, tokens), q.dtype, xp)
     warps_per_block = THREADS // WARP_SIZE
     _function("bwd_delta", q, q.dtype)(
@@ -89,14 +94,16 @@ def backward(dout, q, k, v, out, lse, offsets, scale, causal):
     dims = (np.int64(offsets.size - 1), np.int64(tokens), np.int64(heads), np.int64(kv_heads),
             np.int64(dim), np.int64(dim_v), dtype(scale), np.int32(causal))
     dq = _backend.empty(q.shape, q.dtype, xp)
-    _function("bwd_dq", q, q.dtype, chunk)(
-        (blocks, heads), (THREADS,),
-        (dout, q, k, v, lse, delta, offs, prefix, dq) + dims,
-        shared_mem=TILE * (dim + dim_v) * q.itemsize)
+    kernel = _function("bwd_dq", q, q.dtype, chunk)
+    kernel(_kernels.grid(blocks, heads, what="segmented_attention's backward"), (THREADS,),
+           (dout, q, k, v, lse, delta, offs, prefix, dq) + dims,
+           shared_mem=_kernels.dynamic_shared(kernel, TILE * (dim + dim_v) * q.itemsize, q,
+                                              "segmented_attention's backward"))
     dk = _backend.empty(k.shape, k.dtype, xp)
     dv = _backend.empty(v.shape, v.dtype, xp)
-    _function("bwd_dkdv", q, q.dtype, chunk)(
-        (blocks, kv_heads), (THREADS,),
-        (dout, q, k, v, lse, delta, offs, prefix, dk, dv) + dims,
-        shared_mem=TILE * (dim + dim_v + 2) * q.itemsize)
+    kernel = _function("bwd_dkdv", q, q.dtype, chunk)
+    kernel(_kernels.grid(blocks, kv_heads, what="segmented_attention's backward"), (THREADS,),
+           (dout, q, k, v, lse, delta, offs, prefix, dk, dv) + dims,
+           shared_mem=_kernels.dynamic_shared(kernel, TILE * (dim + dim_v + 2) * q.itemsize, q,
+                                              "segmented_attention's backward"))
     return dq, dk, dv

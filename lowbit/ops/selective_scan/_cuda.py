@@ -38,14 +38,15 @@ def forward(x, B, C, dt, dt_bias, A_log, D, initial_state, dt_floor, chunk_size,
     nchunks = -(-nt // chunk_size) if keep_checkpoints else 0
     checkpoints = _backend.empty((nb, nh, nchunks, npp, nn), x.dtype, xp)
     if nb * nh and npp:
-        _kernel("fwd", x)((nb * nh,), (LANES,),
-                          (x, B, C, dt, dt_bias, A_log, D, initial_state, out, final, checkpoints,
-                           np.int64(nt), np.int32(nh), np.int32(npp), np.int32(nn),
-                           x.dtype.type(dt_floor), np.int32(chunk_size),
-                           np.int32(-(-nt // chunk_size)), np.int32(keep_checkpoints)),
-                          shared_mem=_kernels.check_shared(
-                              _rows_per_lane(npp) * nn * LANES * x.itemsize,
-                              f"P={npp}, N={nn} ({x.dtype})"))
+        kernel = _kernel("fwd", x)
+        kernel(_kernels.grid(nb * nh, what="selective_scan"), (LANES,),
+               (x, B, C, dt, dt_bias, A_log, D, initial_state, out, final, checkpoints,
+                np.int64(nt), np.int32(nh), np.int32(npp), np.int32(nn),
+                x.dtype.type(dt_floor), np.int32(chunk_size),
+                np.int32(-(-nt // chunk_size)), np.int32(keep_checkpoints)),
+               shared_mem=_kernels.dynamic_shared(
+                   kernel, _rows_per_lane(npp) * nn * LANES * x.itemsize, x,
+                   f"selective_scan at P={npp}, N={nn} ({x.dtype})"))
     return out, final, (checkpoints if keep_checkpoints else None)
 
 
@@ -63,14 +64,15 @@ def backward(dout, dstate, x, B, C, dt, dt_bias, A_log, D, checkpoints, dt_floor
     # The states entering each token of the chunk being swept, per (batch, head).
     scratch = _backend.empty((nb, nh, min(chunk_size, max(nt, 1)), npp, nn), x.dtype, xp)
     if nb * nh and npp:
-        _kernel("bwd", x)((nb * nh,), (LANES,),
-                          (x, B, C, dt, dt_bias, A_log, D, checkpoints, dout, dstate, scratch,
-                           dx, dB, dC, ddt, *rows, dinit,
-                           np.int64(nt), np.int32(nh), np.int32(npp), np.int32(nn),
-                           x.dtype.type(dt_floor), np.int32(chunk_size),
-                           np.int32(checkpoints.shape[2])),
-                          shared_mem=_kernels.check_shared(
-                              _rows_per_lane(npp) * (2 * nn + 1) * LANES * x.itemsize,
-                              f"the backward at P={npp}, N={nn} ({x.dtype})"))
+        kernel = _kernel("bwd", x)
+        kernel(_kernels.grid(nb * nh, what="selective_scan's backward"), (LANES,),
+               (x, B, C, dt, dt_bias, A_log, D, checkpoints, dout, dstate, scratch,
+                dx, dB, dC, ddt, *rows, dinit,
+                np.int64(nt), np.int32(nh), np.int32(npp), np.int32(nn),
+                x.dtype.type(dt_floor), np.int32(chunk_size),
+                np.int32(checkpoints.shape[2])),
+               shared_mem=_kernels.dynamic_shared(
+                   kernel, _rows_per_lane(npp) * (2 * nn + 1) * LANES * x.itemsize, x,
+                   f"selective_scan's backward at P={npp}, N={nn} ({x.dtype})"))
     ddt_bias, dA_log, dD = (r.sum(axis=0) for r in rows)
     return dx, dB, dC, ddt, ddt_bias, dA_log, dD, dinit

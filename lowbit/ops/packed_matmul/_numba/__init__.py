@@ -5,14 +5,18 @@ Siblings: ``../__init__.py`` (validation, ctx), ``../_numpy.py``, ``../_cuda.py`
 this package:
 
 - ``_vnni.py``: AVX-512 VNNI GEMV and register-tile GEMM, together with the LLVM intrinsics they
-  are built from (exact int32; used wherever ``USE_VNNI``);
+  are built from (exact int32; used wherever ``USE_VNNI``), and the same GEMM reading the weight
+  across its packed rows for the dx of int8 gradients (``gemm_dx``);
+- ``_fma.py``: AVX-512 float32 register-tile GEMMs of the exact backward, ``dx`` decoding the
+  packed codes into its panels and ``dw`` (used wherever ``_fma.AVAILABLE``);
+- ``_llvm.py``: the IR helpers both files' intrinsics are emitted with;
 - ``_gemv.py``: the portable GEMV over packed bytes (few rows, no VNNI);
 - ``_gemm_f64.py``: the portable GEMM, exact integer products in float64 BLAS with three weight
   columns to a float, and its per-thread workspaces (more rows, no VNNI);
 - ``_decode.py``: the weight decodings (float32 codes for the float BLAS tiles, packed float64
   fields for ``_gemm_f64.py``) and the field-major activation layout;
-- ``_backward.py``: ``dx`` (transposed GEMV, or decoded float32 tiles for BLAS) and the
-  dequantized activations of ``dw``.
+- ``_backward.py``: ``dx`` for few rows (transposed GEMV) and without AVX-512 (decoded float32
+  tiles for BLAS), and the dequantized activations of ``dw``.
 
 An njit kernel calls no njit function or intrinsic of another file; the constants they import
 (format bits and code ranges from ``lowbit/ops/quantize``) are frozen into Numba's on-disk cache,
@@ -28,7 +32,8 @@ from ... import quantize as _quantize
 _backend.numba_cache_guard(__file__, _quantize.__file__)
 
 from ...quantize import WEIGHT_FORMATS as _BITS  # noqa: E402
-from . import _backward, _decode, _gemm_f64, _gemv, _vnni  # noqa: E402
+from .. import _numpy  # noqa: E402
+from . import _backward, _decode, _fma, _gemm_f64, _gemv, _vnni  # noqa: E402
 
 #: Whether the integer GEMV and GEMM use the AVX-512 VNNI kernels (the CPU has them); the portable
 #: loops and the float64 BLAS GEMM otherwise.
@@ -39,6 +44,11 @@ GEMV_MAX_ROWS = 8
 #: (~1.9 ms at K = N = 4096), the GEMV costs ~0.08 ms a row (measured: 16 rows 1.4 ms against
 #: 2.5 ms).
 VNNI_GEMV_MAX_ROWS = 16
+#: Activation elements (M * K) from which ``matmul_dw`` transposes them for the AVX-512 tiles:
+#: read down the columns of a large A the tiles' loads conflict in L1 (one core, M = 256,
+#: K = N = 4096: dw 42 ms, transposed 36 + 2 ms), while for a small one the transpose costs more
+#: than it saves (M = 128, K = 512, N = 128: 82 against 127 us).
+DW_TRANSPOSE_MIN = 1 << 20
 #: Output columns decoded per float32 BLAS tile in ``matmul_float`` (the tile stays in L2/L3).
 TILE_N = 512
 
@@ -82,30 +92,55 @@ def matmul_float(x, data, scale_w, format, K):
 def matmul_dx(dy, data, scale_w, format, K):
     """dy: [M, N] float32 -> dx [M, K] float32 ``dy @ (codes_w * scale_w).T``.
 
-    Few rows: the transposed GEMV kernel over packed bytes. More rows: decoded float32 tiles and
-    BLAS. A per-tensor scale (ternary, sign) multiplies once at the end.
+    Few rows: the transposed GEMV kernel over packed bytes. More rows: the AVX-512 float32 tiles
+    of ``_fma.py`` decoding the codes on the fly, or (no AVX-512) decoded float32 tiles and BLAS.
+    A per-tensor scale (ternary, sign) multiplies once at the end.
     """
     M, N = dy.shape
     dx = _backend.empty((M, K), np.float32)
-    g = dy if scale_w.ndim == 0 else np.ascontiguousarray(dy * scale_w, dtype=np.float32)
+    per_tensor = scale_w.ndim == 0
+    g = dy if per_tensor else np.ascontiguousarray(dy * scale_w, dtype=np.float32)
+    if M > GEMV_MAX_ROWS and _fma.AVAILABLE:
+        scale = np.float32(scale_w if per_tensor else 1)
+        _fma.dx_kernel(g, data, _BITS[format], K, scale, _fma.KC, dx)
+        return dx
     if M <= GEMV_MAX_ROWS:
         _backward.dx_gemv(g, data, format, K, dx)
     else:
         _backward.dx_tiled(g, data, format, K, dx)
-    if scale_w.ndim == 0:
+    if per_tensor:
         dx *= scale_w
     return dx
 
 
+def matmul_dx_int(dy_codes, dy_scale, data, scale, format, K):
+    """``_numpy.matmul_dx_int``'s contract, bit for bit: the VNNI GEMM reading the packed weight
+    across its rows (``_vnni.gemm_dx``), or float64 BLAS on the decoded codes."""
+    if not USE_VNNI:
+        return _numpy.matmul_dx_int(dy_codes, dy_scale, data, scale, format, K)
+    dx = _backend.empty((dy_codes.shape[0], K), np.float32)
+    _vnni.gemm_dx(dy_codes, dy_scale, data, _BITS[format], K, np.float32(scale), dx)
+    return dx
+
+
 def matmul_dw(dy, a, scale_a):
-    """dw [K, N] float32 = ``Qa(x).T @ dy`` (BLAS on the dequantized activations).
+    """dw [K, N] float32 = ``Qa(x).T @ dy``: the AVX-512 float32 tiles of ``_fma.py`` (or BLAS)
+    on the dequantized activations.
 
     Args:
         a: [M, K] int8 codes (with ``scale_a`` [M] float32) or float32 activations (``scale_a``
             None); dy: [M, N] float32.
     """
-    if scale_a is not None:
-        a = _backward.dequantize_rows(a, scale_a)
     dw = _backend.empty((a.shape[1], dy.shape[1]), np.float32)
-    np.matmul(a.T, dy, out=dw)
+    if not _fma.AVAILABLE:
+        if scale_a is not None:
+            a = _backward.dequantize_rows(a, scale_a)
+        np.matmul(a.T, dy, out=dw)
+        return dw
+    transposed = a.size >= DW_TRANSPOSE_MIN
+    if scale_a is not None:
+        a = _backward.dequantize_rows(a, scale_a, transposed)
+    elif transposed:
+        a = np.ascontiguousarray(a.T)
+    _fma.dw_kernel(a, transposed, dy, _fma.KC, dw)
     return dw

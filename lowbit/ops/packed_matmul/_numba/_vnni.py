@@ -2,9 +2,10 @@
 
 Siblings in ``lowbit/ops/packed_matmul/_numba/``: ``__init__.py`` (the backend functions and the
 choice of kernel), ``_gemv.py`` (portable GEMV), ``_gemm_f64.py`` (portable GEMM),
-``_decode.py``, ``_backward.py``. The intrinsics and every kernel that calls them live in this
-one file because Numba's on-disk cache (``cache=True``) keys a kernel on its own source file:
-an intrinsic compiled into a kernel of another file would not invalidate that kernel's cache.
+``_decode.py``, ``_backward.py``, ``_fma.py``, ``_llvm.py`` (the IR helpers). The intrinsics
+and every kernel that calls them live in this one file because Numba's on-disk cache
+(``cache=True``) keys a kernel on its own source file: an intrinsic compiled into a kernel of
+another file would not invalidate that kernel's cache.
 
 LLVM does not form ``vpdpbusd`` (64 unsigned-by-signed byte products summed into sixteen int32
 lanes, one instruction) from a plain Numba loop, so these kernels emit it directly.
@@ -21,9 +22,8 @@ lanes, one instruction) from a plain Numba loop, so these kernels emit it direct
   operand; the caller subtracts ``128 * sum(planes[0])``).
 
 Each field keeps its own accumulator chains (``vpdpbusd`` has a latency of several cycles), and
-the sixteen lanes are reduced once at the end. ``gemm_tile(rows)`` is the GEMM's register tile
-(see there). ``AVAILABLE`` says whether the CPU Numba compiles for has the instruction; the
-package falls back to the portable kernels when it does not.
+the lanes are reduced once at the end. ``gemm_tile(rows)`` is the GEMM's register tile. Where
+the CPU lacks the instruction (``AVAILABLE``) the package runs the portable kernels.
 
 GEMV (``gemv``, few rows): per 64 packed bytes, each 2-bit (1-bit) field is masked out in place
 and multiplied with an int8 "plane" of the activation codes, ``plane[j][g] = codes_x[per * g +
@@ -40,9 +40,14 @@ one, int8 with the sign bit flipped), and runs a register tile of 6 rows x 64 co
 accumulators over all of K: per four K, four weight vectors and one broadcast word per row feed
 24 ``vpdpbusd``. Exact int32 accumulation; measured 11.9 ms for M = 256, K = N = 4096 (3.8x
 NumPy float32 matmul, 3.2x the float64-field BLAS GEMM of ``_gemm_f64.py``).
+
+dx of int8 gradients (``gemm_dx``): the same tiles with the reduction over the weight's N. Each
+panel of 64 input features gathers the stored field of every feature from four weight rows at a
+time into the four bytes of a word (tables give two words per packed byte and row); measured
+14 ms on one core of a 2-core EPYC for M = 256, K = N = 4096 ternary, against 69 ms for NumPy's
+float32 ``dy @ w.T``.
 """
 
-import llvmlite.binding as llvm
 import numba
 import numpy as np
 from llvmlite import ir
@@ -50,33 +55,17 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-
-def _host_has_vnni():
-    if numba.config.DISABLE_JIT:  # intrinsics exist only in compiled code
-        return False
-    features = numba.config.CPU_FEATURES
-    if features is None:
-        try:
-            features = llvm.get_host_cpu_features().flatten()
-        except RuntimeError:  # llvmlite cannot read this host's features: assume none
-            return False
-    return "+avx512vnni" in features.split(",") and "+avx512bw" in features.split(",")
+from ._llvm import counted_loop, host_features, is_array, ptr
 
 
 #: True when the target CPU has AVX-512 VNNI (``vpdpbusd`` on 512-bit registers).
-AVAILABLE = _host_has_vnni()
+AVAILABLE = {"+avx512vnni", "+avx512bw"} <= host_features()
 
 #: Bytes of the packed row one iteration of each kernel's loop consumes.
 BLOCK_BYTES = {2: 128, 1: 64, 8: 256}
 
 _VEC = ir.VectorType(ir.IntType(32), 16)
 _BYTES = 64
-
-
-def _ptr(builder, base, offset, to=ir.IntType(8)):
-    """Pointer to a value of type ``to`` at byte ``offset`` from ``base``."""
-    byte = builder.gep(builder.bitcast(base, ir.IntType(8).as_pointer()), [offset])
-    return builder.bitcast(byte, to.as_pointer())
 
 
 def _splat(value):
@@ -109,38 +98,6 @@ def _field(builder, w, bits, j):
     return builder.and_(builder.lshr(w, _splat(bits * j)) if j else w, _splat(mask))
 
 
-def _counted_loop(builder, intp, count, accumulators, step, name):
-    """Emit ``for it in range(count)`` carrying ``accumulators`` vectors (from zero) through
-    ``step(it, accs) -> new accs``; returns their values after the loop."""
-    entry = builder.block
-    head = builder.append_basic_block(f"{name}.head")
-    body = builder.append_basic_block(f"{name}.body")
-    done = builder.append_basic_block(f"{name}.done")
-    builder.branch(head)
-    builder.position_at_end(head)
-    it = builder.phi(intp)
-    it.add_incoming(ir.Constant(intp, 0), entry)
-    accs = []
-    for _ in range(accumulators):
-        phi = builder.phi(_VEC)
-        phi.add_incoming(_splat(0), entry)
-        accs.append(phi)
-    builder.cbranch(builder.icmp_signed("<", it, count), body, done)
-    builder.position_at_end(body)
-    new = step(it, accs)
-    it.add_incoming(builder.add(it, ir.Constant(intp, 1)), builder.block)
-    for phi, value in zip(accs, new):
-        phi.add_incoming(value, builder.block)
-    builder.branch(head)
-    builder.position_at_end(done)
-    return accs
-
-
-def _is_array(ty, ndim, dtypes):
-    return (isinstance(ty, types.Array) and ty.ndim == ndim and ty.layout == "C"
-            and ty.dtype in dtypes)
-
-
 def dot_fields(bits):
     """The intrinsic for fields of ``bits`` bits (see the module docstring). The plane pointers
     are formed once, outside the loop: formed in it, the same kernel ran 1.3x slower (measured,
@@ -150,8 +107,8 @@ def dot_fields(bits):
 
     @intrinsic
     def dot(typingctx, planes, row, niter):
-        if not (_is_array(planes, 2, (types.int8,))
-                and _is_array(row, 1, (types.uint8, types.int8))):
+        if not (is_array(planes, 2, (types.int8,))
+                and is_array(row, 1, (types.uint8, types.int8))):
             return None
         sig = types.int32(planes, row, types.intp)
 
@@ -160,7 +117,7 @@ def dot_fields(bits):
             rw = context.make_array(signature.args[1])(context, builder, args[1])
             intp = context.get_value_type(types.intp)
             plane_stride = cgutils.unpack_tuple(builder, pl.strides, 2)[0]
-            planes_at = [_ptr(builder, pl.data, builder.mul(plane_stride, ir.Constant(intp, j)))
+            planes_at = [ptr(builder, pl.data, builder.mul(plane_stride, ir.Constant(intp, j)))
                          for j in range(fields)]
 
             def step(it, accs):
@@ -168,14 +125,15 @@ def dot_fields(bits):
                 new = []
                 for blk in range(blocks):
                     offset = builder.add(start, ir.Constant(intp, blk * _BYTES))
-                    w = builder.load(_ptr(builder, rw.data, offset, _VEC), align=1)
+                    w = builder.load(ptr(builder, rw.data, offset, _VEC), align=1)
                     for j in range(fields):
-                        x = builder.load(_ptr(builder, planes_at[j], offset, _VEC), align=1)
+                        x = builder.load(ptr(builder, planes_at[j], offset, _VEC), align=1)
                         new.append(_dpbusd(builder, accs[blk * fields + j],
                                            _field(builder, w, bits, j), x))
                 return new
 
-            accs = _counted_loop(builder, intp, args[2], fields * blocks, step, "dot")
+            accs = counted_loop(builder, intp, args[2], [_splat(0)] * (fields * blocks), step,
+                                 "dot")
             return _reduce_add(builder, accs)
 
         return sig, codegen
@@ -203,8 +161,8 @@ def gemm_tile(rows):
 
     @intrinsic
     def tile(typingctx, a, m0, panel, count, c):
-        if not (_is_array(a, 2, (types.int8,)) and _is_array(panel, 2, (types.uint32,))
-                and _is_array(c, 2, (types.int32,))):
+        if not (is_array(a, 2, (types.int8,)) and is_array(panel, 2, (types.uint32,))
+                and is_array(c, 2, (types.int32,))):
             return None
         sig = types.void(a, types.intp, panel, types.intp, c)
 
@@ -220,18 +178,18 @@ def gemm_tile(rows):
             def const(value):
                 return ir.Constant(intp, value)
 
-            a_rows = [_ptr(builder, arr_a.data, builder.mul(builder.add(args[1], const(r)),
+            a_rows = [ptr(builder, arr_a.data, builder.mul(builder.add(args[1], const(r)),
                                                              a_stride)) for r in range(rows)]
             zero_mask = ir.Constant(ir.VectorType(i32, 16), [0] * 16)
 
             def step(it, accs):
                 w_base = builder.mul(it, const(PANEL * 4))
-                weights = [builder.load(_ptr(builder, arr_p.data,
+                weights = [builder.load(ptr(builder, arr_p.data,
                                              builder.add(w_base, const(64 * v)), _VEC), align=4)
                            for v in range(vectors)]
                 new = []
                 for r in range(rows):
-                    x = builder.load(_ptr(builder, a_rows[r], builder.mul(it, const(4)), i32),
+                    x = builder.load(ptr(builder, a_rows[r], builder.mul(it, const(4)), i32),
                                      align=1)
                     one = builder.insert_element(ir.Constant(_VEC, None), x, ir.Constant(i32, 0))
                     xb = builder.shuffle_vector(one, ir.Constant(_VEC, None), zero_mask)
@@ -239,11 +197,12 @@ def gemm_tile(rows):
                         new.append(_dpbusd(builder, accs[r * vectors + v], weights[v], xb))
                 return new
 
-            accs = _counted_loop(builder, intp, args[3], rows * vectors, step, "tile")
+            accs = counted_loop(builder, intp, args[3], [_splat(0)] * (rows * vectors), step,
+                                 "tile")
             for r in range(rows):
-                row = _ptr(builder, arr_c.data, builder.mul(const(r), c_stride))
+                row = ptr(builder, arr_c.data, builder.mul(const(r), c_stride))
                 for v in range(vectors):
-                    builder.store(accs[r * vectors + v], _ptr(builder, row, const(64 * v), _VEC),
+                    builder.store(accs[r * vectors + v], ptr(builder, row, const(64 * v), _VEC),
                                   align=4)
             return context.get_dummy_value()
 
@@ -347,6 +306,48 @@ def _spread_tables():
 _SPREAD2, _SPREAD1 = _spread_tables()
 
 
+@numba.njit(cache=True)
+def _row_tiles(a, panel, count, bits, xsum, scale_x, scale_w, n0, width, out):
+    """The register tile over one panel for each group of six rows of ``a``, then
+    ``out[m, n0 + j] = float32(acc) * scale_x[m] * scale_w[n0 + j]`` for the panel's ``width``
+    columns (``scale_w`` of one element: the same for all); acc as in ``_gemv_kernel``."""
+    M = a.shape[0]
+    R = TILE_ROWS
+    stride = scale_w.shape[0] > 1
+    mult = 2 if bits == 1 else 1  # int32 wrap-around throughout: exact where the sum fits
+    c = np.empty((R, PANEL), np.int32)
+    for m0 in range(0, M, R):
+        r = min(R, M - m0)
+        if r == 6:
+            _TILE6(a, m0, panel, count, c)
+        elif r == 5:
+            _TILE5(a, m0, panel, count, c)
+        elif r == 4:
+            _TILE4(a, m0, panel, count, c)
+        elif r == 3:
+            _TILE3(a, m0, panel, count, c)
+        elif r == 2:
+            _TILE2(a, m0, panel, count, c)
+        else:
+            _TILE1(a, m0, panel, count, c)
+        for i in range(r):
+            m = m0 + i
+            sx = scale_x[m]
+            xs = xsum[m]
+            ci = c[i]
+            dst = out[m, n0:n0 + width]
+            # one loop per scale kind: an index that may or may not stride kept the loop scalar
+            # (the dw of int8 gradients, 16M outputs over a short K, took 41 against 14 ms)
+            if stride:
+                sw = scale_w[n0:n0 + width]
+                for j in range(width):
+                    dst[j] = (np.float32(np.int32(np.int64(ci[j]) * mult - xs)) * sx) * sw[j]
+            else:
+                s0 = scale_w[0]
+                for j in range(width):
+                    dst[j] = (np.float32(np.int32(np.int64(ci[j]) * mult - xs)) * sx) * s0
+
+
 @numba.njit(parallel=True, cache=True)
 def _gemm_kernel(a, data, bits, xsum, scale_x, scale_w, out):
     """out = float32(acc) * scale_x[:, None] * scale_w, acc the exact int32 product of the codes.
@@ -354,21 +355,17 @@ def _gemm_kernel(a, data, bits, xsum, scale_x, scale_w, out):
     a: [M, 4 count] int8 activation codes, zero past K; xsum: as in ``_gemv_kernel``. Parallel
     over panels of 64 output columns: each task spreads its columns' codes into one byte each
     (uint32 ``panel[q, n]`` = the four codes of K ``4q .. 4q + 3``), then runs the register tile
-    over all of K for each group of six rows.
+    over all of K for each group of six rows (``_row_tiles``).
     """
-    M = a.shape[0]
     count = a.shape[1] // 4
     N, nbytes = data.shape
     P = PANEL
-    R = TILE_ROWS
-    stride = 1 if scale_w.shape[0] > 1 else 0
     spread2 = _SPREAD2
     spread1 = _SPREAD1
     for p in numba.prange((N + P - 1) // P):
         n0 = p * P
         width = min(P, N - n0)
         panel = np.zeros((count, P), np.uint32)
-        c = np.empty((R, P), np.int32)
         for j in range(width):
             row = data[n0 + j]
             if bits == 2:
@@ -388,26 +385,7 @@ def _gemm_kernel(a, data, bits, xsum, scale_x, scale_w, out):
                         if k < nbytes:
                             v |= np.uint32(np.uint8(row[k]) ^ np.uint8(128)) << np.uint32(8 * t)
                     panel[g, j] = v
-        for m0 in range(0, M, R):
-            r = min(R, M - m0)
-            if r == 6:
-                _TILE6(a, m0, panel, count, c)
-            elif r == 5:
-                _TILE5(a, m0, panel, count, c)
-            elif r == 4:
-                _TILE4(a, m0, panel, count, c)
-            elif r == 3:
-                _TILE3(a, m0, panel, count, c)
-            elif r == 2:
-                _TILE2(a, m0, panel, count, c)
-            else:
-                _TILE1(a, m0, panel, count, c)
-            for i in range(r):
-                m = m0 + i
-                sx = scale_x[m]
-                for j in range(width):
-                    acc = np.int32(np.int64(c[i, j]) * (2 if bits == 1 else 1) - xsum[m])
-                    out[m, n0 + j] = (np.float32(acc) * sx) * scale_w[(n0 + j) * stride]
+        _row_tiles(a, panel, count, bits, xsum, scale_x, scale_w, n0, width, out)
 
 
 def gemm(codes_x, scale_x, data, scale_w, bits, K, out):
@@ -417,4 +395,80 @@ def gemm(codes_x, scale_x, data, scale_w, bits, K, out):
     xsum = np.empty(M, dtype=np.int32)
     _planes(codes_x, 1, 128 if bits == 8 else 1, a, xsum)
     _gemm_kernel(a.reshape(M, -1), data, bits, xsum, scale_x, scale_w, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# dx from int8 gradient codes: the same tiles, with the weight read across its packed rows.
+def _transposed_tables():
+    """uint64 [4, 256, per / 2] for 2- and 1-bit fields: what a packed byte of weight row
+    ``4q + t`` adds to the panel words of its ``per`` features, ``[t, byte, w]`` holding the words
+    of features ``2w`` (low half) and ``2w + 1`` (high half), each field in byte ``t``."""
+    b = np.arange(256, dtype=np.uint64)
+    tables = []
+    for bits in (2, 1):
+        per = 8 // bits
+        table = np.zeros((4, 256, per // 2), np.uint64)
+        for t in range(4):
+            for f in range(per):
+                field = (b >> np.uint64(bits * f)) & np.uint64((1 << bits) - 1)
+                table[t, :, f // 2] |= field << np.uint64(8 * t + 32 * (f % 2))
+        tables.append(table)
+    return tables
+
+
+_ACROSS2, _ACROSS1 = _transposed_tables()
+
+
+@numba.njit(parallel=True, cache=True)
+def _gemm_dx_kernel(a, data, bits, K, xsum, scale_g, scale, out):
+    """out[m, k] = float32(acc) * scale_g[m] * scale[0], acc the exact int32
+    ``sum_n codes_g[m, n] * code_w(k, n)``: the reduction runs over the weight's packed rows.
+
+    a: [M, 4 count] int8 gradient codes, zero past N; xsum: as in ``_gemv_kernel``. Parallel over
+    panels of 64 input features k: ``panel[q, j]`` gathers the stored fields of feature
+    ``k0 + j`` from weight rows ``4q .. 4q + 3`` (one byte each), two words at a time through
+    ``_ACROSS*`` (int8 weights: their bytes with the sign bit flipped).
+    """
+    count = a.shape[1] // 4
+    N, nbytes = data.shape
+    P = PANEL
+    per = 8 // bits if bits < 8 else 1
+    half = per // 2
+    across = _ACROSS2 if bits == 2 else _ACROSS1
+    for p in numba.prange((K + P - 1) // P):
+        k0 = p * P
+        width = min(P, K - k0)
+        b0 = k0 // per
+        nb = min(P // per, nbytes - b0)
+        panel = np.zeros((count, P), np.uint32)
+        wide = panel.view(np.uint64)
+        for q in range(count):
+            for t in range(min(4, N - 4 * q)):
+                row = data[4 * q + t, b0:b0 + nb]
+                if bits == 8:
+                    shift = np.uint32(8 * t)
+                    for j in range(nb):
+                        panel[q, j] |= np.uint32(np.uint8(row[j]) ^ np.uint8(128)) << shift
+                else:
+                    table = across[t]
+                    for i in range(nb):
+                        src = table[row[i]]
+                        for w in range(half):
+                            wide[q, half * i + w] |= src[w]
+        _row_tiles(a, panel, count, bits, xsum, scale_g, scale, k0, width, out)
+
+
+def gemm_dx(codes_g, scale_g, data, bits, K, scale, out):
+    """out [M, K] float32 = float32(codes_g @ codes_w.T) * scale_g[:, None] * scale.
+
+    codes_g: [M, N] int8 gradient codes; data: packed [N, bytes] of ``bits``-bit codes; scale: a
+    float32 scalar; out: overwritten.
+    """
+    M, N = codes_g.shape
+    a = np.empty((M, 1, 4 * -(-N // 4)), np.int8)
+    xsum = np.empty(M, dtype=np.int32)
+    _planes(codes_g, 1, 128 if bits == 8 else 1, a, xsum)
+    _gemm_dx_kernel(a.reshape(M, -1), data, bits, K, xsum, scale_g,
+                    np.full(1, scale, np.float32), out)
     return out

@@ -1,0 +1,36 @@
+"""Atomic file replacement shared by every writer of ``lowbit.io`` (``safetensors.py``,
+``gguf.py``): write a temporary file in the destination's folder, flush and fsync it, then rename
+it over the destination, so a crash or an error mid-write leaves the previous file intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+
+@contextlib.contextmanager
+def atomic_path(path, suffix=""):
+    """Yield a temporary path beside ``path``; on a clean exit it is fsynced and renamed to
+    ``path``, on any error it is removed and ``path`` is left as it was.
+
+    The temporary file sits in the same folder because ``os.replace`` is atomic only within one
+    file system.
+    """
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".lowbit-", suffix=suffix + ".tmp", dir=folder)
+    os.close(fd)
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
