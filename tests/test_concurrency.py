@@ -111,18 +111,19 @@ _CHILD = textwrap.dedent("""
     import sys, threading
     import numpy as np
     import lowbit
-    errors = []
+    errors, lines = [], []
     def work(backend):
         try:
             with lowbit.use_backend(backend):
                 packed = lowbit.pack_bits(np.arange(37) % 4, 2)
                 codes = lowbit.unpack_bits(packed, 2, 37)
-            print(backend, packed.tobytes().hex(), codes.sum(), flush=True)
+            lines.append(f"{backend} {packed.tobytes().hex()} {codes.sum()}")
         except BaseException as exc:
             errors.append(repr(exc))
     threads = [threading.Thread(target=work, args=(b,)) for b in ("numba", "cudasim") * 2]
     [t.start() for t in threads]
     [t.join() for t in threads]
+    print(chr(10).join(lines))  # after the joins: two threads printing would interleave
     sys.exit(bool(errors) and print(errors) or 0)
 """)
 
