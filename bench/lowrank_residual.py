@@ -129,10 +129,12 @@ def run_step(inputs, saved, plan, threshold, config, pattern=None):
     with _backend(config), lowbit.profile() as prof:
         start = time.perf_counter()
         x, ctxs = current, []
+        # Quantized once a step, as BDH does: the applications share the weights.
+        packed = lowbit.quantize_layer_weights(encoder, encoder_v, decoder, plan)
         for _ in range(APPLICATIONS):
             x, ctx = lowbit.lowrank_residual_forward(x, encoder, encoder_v, decoder, plan=plan,
                                                      saved=saved, relu_threshold=threshold,
-                                                     latent_pattern=pattern)
+                                                     latent_pattern=pattern, packed=packed)
             ctxs.append(ctx)
         nbytes = sum(c.nbytes for c in ctxs)
         dense = sum(c.dense_nbytes for c in ctxs)
