@@ -1,14 +1,15 @@
 """Shared by ``gguf.py`` and ``hf_bitnet.py``: which conversion module runs (``codecs``:
 ``_numba.py`` where dispatch picks the numba backend, forced or automatic, else ``_numpy.py``,
-also under a forced ``cudasim``, as these host byte shuffles have no CUDA kernel) and the check
-of a weight to export (``host_ternary``).
+also under a forced ``cudasim``, as these host byte shuffles have no CUDA kernel), the check
+of a weight to export (``host_ternary``) and of an imported buffer and its shape
+(``host_buffer``).
 """
 
 import importlib
 
 import numpy as np
 
-from .. import _dispatch
+from .. import _dispatch, _validate
 
 
 def codecs(*arrays):
@@ -31,3 +32,15 @@ def host_ternary(pw, name="pw"):
         raise TypeError(f"{name} must be held in numpy arrays, got cupy ones; move it to the "
                         "host first (e.g. PackedWeight(f, shape, data.get(), scale.get()))")
     return pw
+
+
+def host_buffer(data, name, shape):
+    """``(K, N)`` of ``shape`` after checking that ``data`` (named ``name``) is a host numpy
+    array and ``shape`` a pair of positive integers."""
+    if not isinstance(_validate.as_array(data, name), np.ndarray):
+        raise TypeError(f"{name} must be a host numpy array, got a cupy array; pass "
+                        f"{name}.get()")
+    if not (isinstance(shape, tuple) and len(shape) == 2):
+        raise ValueError(f"shape must be a tuple (K, N), got {shape!r}")
+    return (_validate.integer(shape[0], "shape[0]", minimum=1),
+            _validate.integer(shape[1], "shape[1]", minimum=1))

@@ -19,9 +19,8 @@ import warnings
 
 import numpy as np
 
-from .. import _validate
 from ..ops.quantize import EPS, PackedWeight, quantize_weight
-from ._codecs import codecs, host_ternary
+from ._codecs import codecs, host_buffer, host_ternary
 from ._files import atomic_path
 from ._numpy import QK, TQ1_BYTES, TQ2_BYTES
 
@@ -113,12 +112,7 @@ def from_gguf(data, shape, qtype: str = "TQ2_0", *, requantize: bool = False) ->
             block scales that differ (without ``requantize``).
     """
     qtype = _qtype(qtype)
-    if not isinstance(_validate.as_array(data, "data"), np.ndarray):
-        raise TypeError("data must be a host numpy array, got a cupy array; pass data.get()")
-    if not (isinstance(shape, tuple) and len(shape) == 2):
-        raise ValueError(f"shape must be a tuple (K, N), got {shape!r}")
-    K = _validate.integer(shape[0], "shape[0]", minimum=1)
-    N = _validate.integer(shape[1], "shape[1]", minimum=1)
+    K, N = host_buffer(data, "data", shape)
     if K % QK:
         raise ValueError(f"shape[0] = K = {K} must be a multiple of {QK} for {qtype}")
     nb = K // QK

@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _validate
 from ..ops.quantize import PackedWeight
-from ._codecs import codecs, host_ternary
+from ._codecs import codecs, host_buffer, host_ternary
 from .safetensors import read_file
 
 CONVENTIONS = ("bitlinear", "autobitlinear")
@@ -85,12 +84,7 @@ def from_hf_bitnet(packed, weight_scale, shape, convention: str = "bitlinear") -
             not match ``shape``, a bad ``weight_scale``, a 2-bit field holding 3.
     """
     convention = _convention(convention)
-    if not isinstance(_validate.as_array(packed, "packed"), np.ndarray):
-        raise TypeError("packed must be a host numpy array, got a cupy array; pass packed.get()")
-    if not (isinstance(shape, tuple) and len(shape) == 2):
-        raise ValueError(f"shape must be a tuple (K, N), got {shape!r}")
-    K = _validate.integer(shape[0], "shape[0]", minimum=1)
-    N = _validate.integer(shape[1], "shape[1]", minimum=1)
+    K, N = host_buffer(packed, "packed", shape)
     want = (-(-N // 4), K)
     if packed.dtype != np.uint8 or packed.shape != want:
         raise ValueError(f"packed must be uint8 of shape {want} (ceil(N / 4), K) for shape "
