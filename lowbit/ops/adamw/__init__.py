@@ -25,7 +25,8 @@ _STATE_KEYS = frozenset({"step", "lr", "betas", "eps", "weight_decay", "max_grad
                          "exp_avg", "exp_avg_sq"})
 
 
-def _lr(value, name="lr"):
+def _nonnegative(value, name):
+    """A finite float >= 0 (the learning rate, the weight decay), the message naming ``name``."""
     value = _validate.finite_scalar(value, name)
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
@@ -48,13 +49,6 @@ def _eps(value, name="eps"):
     value = _validate.finite_scalar(value, name)
     if value <= 0:
         raise ValueError(f"{name} must be > 0, got {value}")
-    return value
-
-
-def _weight_decay(value, name="weight_decay"):
-    value = _validate.finite_scalar(value, name)
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
     return value
 
 
@@ -159,10 +153,10 @@ class AdamW:
 
     def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                  max_grad_norm=None):
-        self._lr = _lr(lr)
+        self._lr = _nonnegative(lr, "lr")
         self._betas = _betas(betas)
         self._eps = _eps(eps)
-        self._weight_decay = _weight_decay(weight_decay)
+        self._weight_decay = _nonnegative(weight_decay, "weight_decay")
         self._max_grad_norm = _max_grad_norm(max_grad_norm)
         self._step = 0
         self._exp_avg = {}
@@ -178,7 +172,7 @@ class AdamW:
 
     @lr.setter
     def lr(self, value):
-        self._lr = _lr(value)
+        self._lr = _nonnegative(value, "lr")
 
     @property
     def betas(self) -> tuple:
@@ -196,7 +190,7 @@ class AdamW:
 
     @weight_decay.setter
     def weight_decay(self, value):
-        self._weight_decay = _weight_decay(value)
+        self._weight_decay = _nonnegative(value, "weight_decay")
 
     @property
     def max_grad_norm(self):
@@ -354,10 +348,10 @@ class AdamW:
         if problem:
             raise problem
         step = _validate.integer(state["step"], "state['step']", minimum=0)
-        lr = _lr(state["lr"], "state['lr']")
+        lr = _nonnegative(state["lr"], "state['lr']")
         betas = _betas(state["betas"], "state['betas']")
         eps = _eps(state["eps"], "state['eps']")
-        weight_decay = _weight_decay(state["weight_decay"], "state['weight_decay']")
+        weight_decay = _nonnegative(state["weight_decay"], "state['weight_decay']")
         max_grad_norm = _max_grad_norm(state["max_grad_norm"], "state['max_grad_norm']")
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         names = _names(exp_avg, "state['exp_avg']")
