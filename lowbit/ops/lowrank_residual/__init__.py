@@ -130,7 +130,6 @@ class LowrankResidualCtx(Ctx):
     decoder: object
     packed: dict
     latent: tuple  # active latent indices per head (latent_pattern), or None: all
-    heads: list  # per head the weights on its active neurons (_layer.HeadWeights; not counted)
     current: object
     x_codes: object  # (codes, scales) of current's rows, or None
     x_neuron: list  # None: recomputed from x_codes

@@ -301,7 +301,7 @@ def forward(impl, current, encoder, encoder_v, decoder, attention, lengths, plan
     if not keep:
         return out, None
     return out, dict(
-        packed=packed, latent=latent, heads=heads, current=save(current, saved),
+        packed=packed, latent=latent, current=save(current, saved),
         x_codes=_save_codes(qx) if plan.x[1] is not None else None,
         x_neuron=None if recompute_x else saved_x, y_gate=None if recompute_y else saved_y,
         attn=None if recompute_y else saved_a, attn_mean=None if recompute_y else saved_am,

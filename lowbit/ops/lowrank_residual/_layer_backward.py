@@ -17,7 +17,7 @@ from ..layer_norm import normalize_backward
 from ..packed_matmul import straight_through_backward, straight_through_codes
 from ..quantize import ACT_FORMATS, weight_rows
 from ._layer import (_codes, _dropout_scale, _normalized, _relu, _rows, _unpack_codes,
-                     row_codes, softmax_attention_backward, starts)
+                     head_weights, row_codes, rope_tables, softmax_attention_backward, starts)
 from ._pattern import gather_rows
 
 #: Tokens per step of the backward's loop over batch rows (whole rows; at least one): its
@@ -57,6 +57,7 @@ def backward(impl, dnext, ctx, grads):
     plan = ctx.plan
     stage = functools.partial(_profile.stage, "backward", like=dnext)
     bounds = starts(ctx.lengths, xp)
+    cos, sin = rope_tables(T, N, xp)
     current = ctx.current.unpack()
     qx = _unpack_codes(ctx.x_codes)
     with stage("residual"):
@@ -72,7 +73,7 @@ def backward(impl, dnext, ctx, grads):
     pw_dec = ctx.packed.get("decoder")
     chunk = max(1, BACKWARD_ROW_TOKENS // T)
     for h in range(H):
-        w = ctx.heads[h]  # the forward's gathered weights
+        w = head_weights(h, ctx.encoder, ctx.encoder_v, ctx.packed, cos, sin, ctx.latent)
         if not w.width:  # no active block: nothing flows through this head
             continue
         with stage("decoder tail"):
