@@ -4,25 +4,34 @@ One call gives the whole picture: the environment (GPU, compute capability, driv
 CuPy, NumPy), every kernel module compiled once up front and timed apart (the GPU machine starts
 with an empty kernel cache), ``pytest -m gpu`` with a per-test time limit and without ``-x``,
 then every speed suite of ``bench/`` on cupy arrays (``train``: one timed training step per
-configuration). The steps share one deadline: each gets its share of the time that is left, so
-the last suite is not the first to be lost. Every step runs in a subprocess whose stdout and
-stderr go to a file, so a step killed at its limit still leaves a readable log.
+configuration), then the kernel rows of ``bench/gpu_kernels.py``, one step per group
+(``gpu_kernels.gemv``, ``.gemm``, ``.attention``, ``.scans``; ``--suites gpu_kernels`` names them
+all). First, wheels in ``bench/results/wheels/`` (``--wheels``; the GPU machine has no network)
+of distributions the environment lacks, e.g. fla-core for the scans' peer, are installed with
+``pip install --no-deps --no-index --target`` into the call's temporary folder, which goes on
+every step's ``PYTHONPATH``. The steps share one deadline: each gets its share of the time that
+is left, so the last suite is not the first to be lost. Every step runs in a subprocess whose
+stdout and stderr go to a file, so a step killed at its limit still leaves a readable log; a
+kernel group also writes its rows as it finishes them, so it keeps those.
 
 Results go to ``$OUT`` (default ``bench/results/gpu``), three files, since at most 8 come back
-from the GPU machine: ``gpu.log`` (every step's output), ``gpu.json`` (environment, compile
-times, test outcomes, every suite's rows), ``junit.xml`` (the tests). The exit status is non-zero
-when cupy does not import, no device is visible, zero GPU tests ran, or any step failed.
+from the GPU machine: ``gpu.log`` (every step's output), ``gpu.json`` (environment, wheels,
+compile times, test outcomes, every suite's rows), ``junit.xml`` (the tests). The exit status is
+non-zero when cupy does not import, no device is visible, zero GPU tests ran, or any step failed
+(a kernel row that raised fails its group's step).
 
 ``--dry-run`` rehearses the same steps on this CPU (CI runs it, ``tests/test_gpu_check.py``):
 the kernels are built and the tests run on the cudasim backend (the cudasim tests of a few ops),
-and a suite at ``--quick`` shapes on numpy arrays, since cudasim is far too slow for the
-suites' shapes. The pytest plugin of the tests step is this module too (``-p bench.gpu``).
+a suite at ``--quick`` shapes on numpy arrays, since cudasim is far too slow for the suites'
+shapes, and the kernel rows at tiny shapes on cudasim (the ceilings and CUDA peers skipped, each
+saying so). The pytest plugin of the tests step is this module too (``-p bench.gpu``).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -38,19 +47,28 @@ from pathlib import Path
 
 from . import _harness
 from .__main__ import SUITES
+from .gpu_kernels import GROUPS, run_group
+
+#: Steps of the kernel rows (``bench/gpu_kernels.py``): each group in its own process.
+KERNEL_SUITES = tuple(f"gpu_kernels.{group}" for group in GROUPS)
 
 #: Default wall-clock budget of the whole call, in seconds (an H200 is lent for ~15 minutes).
 DEFAULT_DEADLINE_S = 420
 #: Time kept back from the steps for writing the results.
 RESERVE_S = 5
 #: Relative share of the deadline of each step; unused time flows to the steps after it.
-WEIGHTS = {"compile": 1.0, "tests": 4.0, "train": 2.0}
+#: The scans' group compiles and autotunes fla's Triton kernels on its first calls.
+WEIGHTS = {"compile": 1.0, "tests": 4.0, "train": 2.0, "gpu_kernels.attention": 1.5,
+           "gpu_kernels.scans": 3.0}
 #: Per-test limit: a test still running after this is reported as timed out, its tracebacks
 #: dumped, and the tests after it run in a fresh pytest process.
 TEST_LIMIT_S = 60
 #: The dry run's tests and suites: cudasim tests of a few ops, a suite that is quick on numba.
 DRY_TESTS = ("tests/test_pack_bits.py", "tests/test_quantize.py")
-DRY_SUITES = ("adamw",)
+DRY_SUITES = ("adamw", *KERNEL_SUITES)
+#: Wheels to install before the steps (the GPU machine has no network), when the folder exists.
+WHEELS_DIR = Path(__file__).resolve().parent / "results" / "wheels"
+WHEELS_LIMIT_S = 120
 #: Environment variables of the pytest plugin below.
 PROGRESS_ENV = "LOWBIT_GPU_CHECK_PROGRESS"
 DONE_ENV = "LOWBIT_GPU_CHECK_DONE"
@@ -241,12 +259,24 @@ def compile_all(dry_run: bool) -> dict:
     return times
 
 
-def run_suite(name: str, dry_run: bool) -> list[dict]:
-    """The rows of one suite: on cupy arrays, or (dry run) at ``--quick`` shapes on numpy."""
+def run_suite(name: str, dry_run: bool, to: Path) -> list[dict]:
+    """The rows of one suite: on cupy arrays, or (dry run) at ``--quick`` shapes on numpy; a
+    kernel group writes its rows to ``to`` as it goes (replacing the file: never half written)."""
     config = _harness.Config(quick=dry_run, gpu=not dry_run)
-    module = importlib.import_module(f"bench.{name}")
-    rows = _harness.run_cases(module.cases(config), config,
-                              progress=lambda s: print(s, file=sys.stderr, flush=True))
+
+    def progress(message):
+        print(message, file=sys.stderr, flush=True)
+
+    def emit(rows):
+        partial = to.with_suffix(".partial")
+        partial.write_text(json.dumps(rows, default=str))
+        os.replace(partial, to)
+
+    if name in KERNEL_SUITES:
+        rows = run_group(name.partition(".")[2], config, progress, emit)
+    else:
+        module = importlib.import_module(f"bench.{name}")
+        rows = _harness.run_cases(module.cases(config), config, progress=progress)
     print(_harness.table(rows), flush=True)
     return rows
 
@@ -314,10 +344,31 @@ def write_junit(path: Path, results: list[dict]) -> None:
 
 def _worker(args) -> int:
     """``--step compile|SUITE``: one step, run in its own process; results to ``--to``."""
+    to = Path(args.to)
     result = compile_all(args.dry_run) if args.step == "compile" else run_suite(args.step,
-                                                                              args.dry_run)
-    Path(args.to).write_text(json.dumps(result, default=str))
-    return 0
+                                                                              args.dry_run, to)
+    to.write_text(json.dumps(result, default=str))
+    # A kernel row that failed is recorded in its row, and fails its step.
+    return 1 if args.step in KERNEL_SUITES and any("error" in row for row in result) else 0
+
+
+def install_wheels(folder: Path, target: Path, log, env: dict) -> dict:
+    """Install, offline and without dependencies, the wheels in ``folder`` of distributions this
+    environment lacks, into ``target`` (which the caller puts on the steps' ``PYTHONPATH``)."""
+    wheels = sorted(folder.glob("*.whl")) if folder.is_dir() else []
+    present, wanted = [], []
+    for wheel in wheels:
+        name = wheel.name.split("-")[0]
+        try:
+            present.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            wanted.append(wheel)
+    result = {"folder": str(folder), "present": present, "installed": [w.name for w in wanted]}
+    if wanted:
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+               "--no-compile", "--target", str(target), *map(str, wanted)]
+        result.update(run_step("wheels", cmd, WHEELS_LIMIT_S, log, env))
+    return result
 
 
 def main(argv=None) -> int:
@@ -329,21 +380,27 @@ def main(argv=None) -> int:
     parser.add_argument("--test-limit", type=float, default=TEST_LIMIT_S,
                         help=f"seconds one test may run (default {TEST_LIMIT_S})")
     parser.add_argument("--suites", nargs="*", default=None, metavar="SUITE",
-                        help="suites to run (default: every suite; dry run: "
+                        help="suites to run (default: every suite, then the kernel groups; "
+                             "gpu_kernels names every group; dry run: "
                              f"{' '.join(DRY_SUITES)})")
     parser.add_argument("--tests", nargs="*", default=None, metavar="PATH",
                         help="test files or folders (default: tests; dry run: "
                              f"{' '.join(DRY_TESTS)})")
+    parser.add_argument("--wheels", type=Path, default=WHEELS_DIR,
+                        help=f"folder of wheels to install first (default {WHEELS_DIR})")
     parser.add_argument("--step", help=argparse.SUPPRESS)
     parser.add_argument("--to", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.step:
         return _worker(args)
     suites = args.suites if args.suites is not None else (DRY_SUITES if args.dry_run
-                                                          else SUITES)
-    unknown = sorted(set(suites) - set(SUITES))
+                                                          else SUITES + KERNEL_SUITES)
+    suites = [s for name in suites
+              for s in (KERNEL_SUITES if name == "gpu_kernels" else (name,))]
+    known = SUITES + KERNEL_SUITES
+    unknown = sorted(set(suites) - set(known))
     if unknown:
-        parser.error(f"unknown suites {unknown}; choose from {', '.join(SUITES)}")
+        parser.error(f"unknown suites {unknown}; choose from gpu_kernels, {', '.join(known)}")
     out = Path(os.environ.get("OUT") or _harness.RESULTS_DIR / "gpu")
     out.mkdir(parents=True, exist_ok=True)
     report = {"deadline_s": args.deadline, "test_limit_s": args.test_limit, "steps": {}}
@@ -372,6 +429,11 @@ def main(argv=None) -> int:
     with open(out / "gpu.log", "w") as log, tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         log.write(json.dumps(report["environment"], indent=1) + "\n")
+        report["wheels"] = install_wheels(args.wheels, work / "site", log, env)
+        if report["wheels"].get("exit"):
+            failed.append("wheels")
+        elif report["wheels"]["installed"]:
+            env["PYTHONPATH"] = os.pathsep.join([str(work / "site"), env["PYTHONPATH"]])
         for step in ["compile", "tests", *suites]:
             limit = deadline.share()
             if step == "tests":

@@ -119,19 +119,22 @@ def _check_small(config, pattern=None):
             raise AssertionError(f"lowrank_residual {name}: relative error {err:.2e} vs reference")
 
 
-def run_step(inputs, saved, plan, threshold, config, pattern=None):
+def run_step(inputs, saved, plan, threshold, config, pattern=None, measure=True):
     """One training step (4 applications forward, then backward) under one saved policy (and a
     block pattern of the latent neurons, if any).
 
+    ``measure``: record the peak memory (``lowbit.profile``: on CPU ``tracemalloc``, which slows
+    every allocation, so the timed steps run without it and the checks measure).
+
     Returns a dict: grads (dcurrent, dencoder, dencoder_v, ddecoder), saved and dense bytes,
-    peak bytes, seconds, the densities of x_neuron and y_gate.
+    peak bytes (None unless ``measure``), seconds, the densities of x_neuron and y_gate.
     """
     current, encoder, encoder_v, decoder, dnext = inputs
     xp = _harness.xp(config)
     # Gradient buffers are parameter-sized training state, allocated once like the weights
     # (not per step); the step zeroes them and accumulates into them.
     grads = tuple(xp.empty(w.shape, np.float32) for w in (encoder, encoder_v, decoder))
-    with _backend(config), lowbit.profile() as prof:
+    with _backend(config), (lowbit.profile() if measure else contextlib.nullcontext()) as prof:
         start = time.perf_counter()
         x, ctxs = current, []
         # Quantized once a step, as BDH does: the applications share the weights.
@@ -153,7 +156,8 @@ def run_step(inputs, saved, plan, threshold, config, pattern=None):
         if config.gpu:
             xp.cuda.Device().synchronize()
         seconds = time.perf_counter() - start
-    return dict(grads=(g, *grads), nbytes=nbytes, dense=dense, peak=prof.peak_bytes,
+    return dict(grads=(g, *grads), nbytes=nbytes, dense=dense,
+                peak=prof.peak_bytes if measure else None,
                 seconds=seconds, densities=densities)
 
 
@@ -282,7 +286,7 @@ def cases(config: Config):
 
         def step(policy=policy):
             st = setup()
-            run_step(st["inputs"], policy, st["plan"], st["threshold"], config)
+            run_step(st["inputs"], policy, st["plan"], st["threshold"], config, measure=False)
 
         yield Case("lowrank_residual", f"step {policy}", fn=step, check=check,
                    baseline=None if policy == "fp32" else "step fp32", info=info)
@@ -334,7 +338,7 @@ def _pattern_cases(config, setup):
         def step(fraction=fraction):
             st = setup()
             run_step(st["inputs"], None, st["plan"], st["threshold"], config,
-                     block_pattern(N, fraction))
+                     block_pattern(N, fraction), measure=False)
 
         yield Case("lowrank_residual", name, fn=step, check=check,
                    baseline=None if fraction == 1.0 else dense_name,

@@ -32,7 +32,10 @@
 //     others waiting reaches a barrier or exits; a thread that loops forever
 //     outside barriers hangs the launch, and a crash (bad pointer, stack overflow) kills the
 //     process: neither can be caught;
-//   * a failing device assert() or __trap() aborts the launch with its message.
+//   * a failing device assert() or __trap() aborts the launch with its message;
+//   * cp.async (cuda/common.cuh) writes its destination only at the cp_async_wait that covers
+//     it, and the tensor-core twins exchange registers through warp_gather (one warp barrier
+//     per exchange).
 //
 // Numerics: plain C++ float arithmetic without FMA contraction (lowbit/_cudasim_build.py passes
 // -ffp-contract=off), while NVRTC contracts a * b + c into an FMA by default, so float results
@@ -107,6 +110,11 @@
 // ---------------------------------------------------------------------------------------------
 struct uint3 {
     unsigned int x, y, z;
+};
+
+// The 128-bit vector type kernels load and store whole (aligned as on the GPU).
+struct alignas(16) uint4 {
+    unsigned int x, y, z, w;
 };
 
 struct dim3 {
@@ -1130,6 +1138,10 @@ inline I cvt_sat(F r) {
 
 inline int __float2int_rn(float x) { return lowbit_sim::cvt_sat<int>(nearbyintf(x)); }
 
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) {
+    return uint4{x, y, z, w};
+}
+
 // Integer intrinsics.
 inline int __popc(unsigned x) { return std::popcount(x); }
 inline int __clz(int x) { return std::countl_zero(static_cast<unsigned>(x)); }
@@ -1164,6 +1176,113 @@ inline unsigned __dp4a(unsigned a, unsigned b, unsigned c) {
     for (int i = 0; i < 4; ++i) acc += ((a >> (8 * i)) & 0xffu) * ((b >> (8 * i)) & 0xffu);
     return acc;
 }
+
+// Every lane's W 64-bit values in one warp round (cuda/common.cuh's WarpValues): the register
+// exchange of the tensor-core twins costs one barrier instead of one per shuffle. Lanes write
+// their values to this warp's slots of the phase's parity, meet at a warp barrier, and copy
+// out; a lane writes the same parity again only two gathers later, after every lane has met it
+// at the gather in between, i.e. finished copying (the rule of WarpGroup::vals). Every lane of
+// the warp makes the same gathers, so each lane's count of them (per block) gives the parity.
+namespace lowbit_sim {
+constexpr int kGatherWords = 4;
+struct GatherSlots {
+    unsigned long long v[2][kWarp][kGatherWords];
+};
+inline GatherSlots g_gather_slots[kMaxBlockThreads / kWarp];
+struct GatherCount {
+    uint32_t gen = 0;
+    unsigned count = 0;
+};
+inline thread_local GatherCount t_gather;
+
+template <int W>
+inline void warp_gather(const unsigned long long (&mine)[W],
+                        unsigned long long (&out)[kWarp][W]) {
+    static_assert(W >= 1 && W <= kGatherWords, "warp_gather carries 1 to 4 values a lane");
+    GatherCount& n = t_gather;
+    const uint32_t gen = job_gen(g_runtime->job.load(std::memory_order_acquire));
+    if (n.gen != gen) n = GatherCount{gen, 0};
+    const int parity = static_cast<int>(n.count++ & 1u);
+    auto& slots = g_gather_slots[t_warp].v[parity];
+    for (int w = 0; w < W; ++w) slots[t_lane][w] = mine[w];
+    const WarpView v = warp_sync(~0u, kOpShflIdx, 0);  // its lock orders the slot accesses
+    for (int lane = 0; lane < kWarp; ++lane) {
+        const bool member = (v.members >> lane) & 1u;
+        for (int w = 0; w < W; ++w) out[lane][w] = member ? slots[lane][w] : kPoison;
+    }
+}
+}  // namespace lowbit_sim
+
+// cp.async (cuda/common.cuh's cp_async, cp_async_commit, cp_async_wait): each thread queues its
+// copies (the source is read at issue, as the hardware may) and writes them to shared memory
+// only when a wait covers their group, so a kernel that reads a destination before its wait, or
+// before the barrier after it, sees stale data here as it may on a GPU. The queue belongs to
+// the block generation it was filled in: what an aborted block left behind is dropped.
+namespace lowbit_sim {
+constexpr int kMaxAsyncBytes = 16;
+struct AsyncCopy {
+    unsigned char* dst;
+    int bytes;
+    unsigned char data[kMaxAsyncBytes];
+};
+struct AsyncQueue {
+    uint32_t gen = 0;
+    std::vector<AsyncCopy> copies;   // issued, not yet written, oldest first
+    std::vector<size_t> group_ends;  // copies.size() at each commit, oldest first
+};
+inline thread_local AsyncQueue t_async;
+
+inline AsyncQueue& async_queue() {
+    AsyncQueue& q = t_async;
+    const uint32_t gen = job_gen(g_runtime->job.load(std::memory_order_acquire));
+    if (q.gen != gen) {
+        q.copies.clear();
+        q.group_ends.clear();
+        q.gen = gen;
+    }
+    return q;
+}
+
+inline void cp_async_issue(void* dst, const void* src, int bytes, int src_bytes) {
+    const auto misaligned = [bytes](const void* p) {
+        return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(bytes) != 0;
+    };
+    if (misaligned(dst) || (src_bytes > 0 && misaligned(src)) || src_bytes < 0 ||
+        src_bytes > bytes) {
+        Block& b = block();
+        {
+            std::lock_guard<SpinLock> lock(b.mu);
+            b.fail_locked("cp.async of " + std::to_string(bytes) + " bytes (" +
+                          std::to_string(src_bytes) + " from the source) by thread " +
+                          std::to_string(t_index) + " of " + b.where() +
+                          ": addresses must be aligned to the size, src_bytes within it");
+        }
+        throw Abort{};
+    }
+    AsyncCopy c{static_cast<unsigned char*>(dst), bytes, {}};
+    if (src_bytes > 0) std::memcpy(c.data, src, static_cast<size_t>(src_bytes));
+    async_queue().copies.push_back(c);
+}
+
+inline void cp_async_commit() {
+    AsyncQueue& q = async_queue();
+    q.group_ends.push_back(q.copies.size());
+}
+
+inline void cp_async_wait(int pending) {
+    AsyncQueue& q = async_queue();
+    const size_t groups = q.group_ends.size();
+    if (groups <= static_cast<size_t>(pending)) return;
+    const size_t done = q.group_ends[groups - static_cast<size_t>(pending) - 1];
+    for (size_t i = 0; i < done; ++i) {
+        std::memcpy(q.copies[i].dst, q.copies[i].data, static_cast<size_t>(q.copies[i].bytes));
+    }
+    q.copies.erase(q.copies.begin(), q.copies.begin() + static_cast<std::ptrdiff_t>(done));
+    q.group_ends.erase(q.group_ends.begin(),
+                       q.group_ends.end() - static_cast<std::ptrdiff_t>(pending));
+    for (size_t& end : q.group_ends) end -= done;
+}
+}  // namespace lowbit_sim
 
 // Device assert(): a failure aborts the launch (RuntimeError in Python) instead of the process.
 namespace lowbit_sim {

@@ -1,198 +1,122 @@
-// Segmented (variable-length) attention over packed tokens: forward with online softmax, and a
-// backward without float atomics (dk/dv per key block, dq per query block), so results are
-// bitwise identical run to run. Launchers: lowbit/ops/segmented_attention/_cuda.py; reference:
-// reference/segmented_attention.py; tests: tests/test_segmented_attention.py.
+// Segmented (variable-length) attention over packed tokens on FlashAttention-2's structure:
+// forward with an online softmax held in registers, and a backward without float atomics (dk/dv
+// per key block, dq per query block), so results are bitwise identical run to run. Launchers:
+// lowbit/ops/segmented_attention/_cuda.py; reference: reference/segmented_attention.py; tests:
+// tests/test_segmented_attention.py. Device helpers: segmented_attention_tiles.cuh.
 //
 // Layout: q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv], token-major; query head h reads key/value
-// head h / (H / Hkv). A block covers kBlockRows rows (query rows, or key rows for dk/dv) of one
-// segment and one head; blockIdx.x walks the row blocks of every segment through the prefix
+// head h / (H / Hkv). A block covers kBlockRows<T> rows (query rows, or key rows for dk/dv) of
+// one segment and one head; blockIdx.x walks the row blocks of every segment through the prefix
 // table block_prefix[S + 1] (row blocks before each segment), built once per call on the host.
-// Each warp owns kRowsPerWarp rows; lane l holds elements l, l + 32, ... of a row's feature
-// vector in registers (C per lane, so D, Dv <= 32 * C), and dot products are warp sums.
+//
+// Register blocking (FA2 on CUDA cores, exact fp32 / fp64 products and sums): a warp owns
+// kRowGroups * V rows of the block (V = kVec<T>, the elements of one 16-byte load); lane
+// (rg, cg) = (lane / kColGroups, lane % kColGroups) holds rows rg + kRowGroups * i (i < V) and,
+// of each tile of kColGroups * V keys, keys cg + kColGroups * t (t < V). A score tile is a
+// V x V block of fma chains over the feature axis, read from shared rows as 16-byte vectors;
+// the rows a lane holds are interleaved so each 16-byte load of a warp hits distinct banks
+// (row stride = width + V elements, width a multiple of kColGroups * V). Products with a
+// feature-wide result (p v, ds k, ...) give lane cg the feature chunks (c * kColGroups + cg) * V.
+// Row statistics reduce over the kColGroups lanes of a row group: a few shuffles per row and
+// tile, none per query-key pair. Tiles arrive by lowbit::cp_async (zero-filled padding), the
+// streamed ones double-buffered; the score scale multiplies the finished dot products.
 #include "common.cuh"
 
-namespace segattn {
+#include "segmented_attention_tiles.cuh"
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * lowbit::kWarpSize;
-constexpr int kRowsPerWarp = 2;
-constexpr int kBlockRows = kWarps * kRowsPerWarp;
-// Rows of the other operand staged in shared memory per step (keys in the forward and dq
-// kernels, queries in the dk/dv kernel).
-constexpr int kTile = 16;
-
-using lowbit::exp_of;
-using lowbit::log_of;
-
-// -infinity from its bit pattern: NVRTC has no <cmath> INFINITY.
-constexpr int kNegInfFloatBits = static_cast<int>(0xff800000u);
-constexpr long long kNegInfDoubleBits = static_cast<long long>(0xfff0000000000000ull);
-template <typename T>
-__device__ __forceinline__ T neg_inf();
-template <>
-__device__ __forceinline__ float neg_inf<float>() {
-    return __int_as_float(kNegInfFloatBits);
-}
-template <>
-__device__ __forceinline__ double neg_inf<double>() {
-    return __longlong_as_double(kNegInfDoubleBits);
-}
-
-// The segment holding row block `b`: the last s with block_prefix[s] <= b.
-__device__ __forceinline__ int64_t find_segment(const int64_t* __restrict__ block_prefix,
-                                                int64_t num_segments, int64_t b) {
-    int64_t lo = 0, hi = num_segments - 1;
-    while (lo < hi) {
-        const int64_t mid = (lo + hi + 1) / 2;
-        if (block_prefix[mid] <= b) {
-            lo = mid;
-        } else {
-            hi = mid - 1;
-        }
-    }
-    return lo;
-}
-
-// Copies rows [r0, r0 + count) of one head of a token-major [T, heads, dim] tensor into a
-// [kTile, dim] shared tile, times `mul`.
-template <typename T>
-__device__ __forceinline__ void stage_rows(T* __restrict__ tile, const T* __restrict__ src,
-                                           int64_t r0, int count, int64_t heads, int64_t head,
-                                           int64_t dim, T mul) {
-    for (int64_t idx = threadIdx.x; idx < count * dim; idx += kThreads) {
-        const int64_t r = idx / dim;
-        tile[idx] = src[((r0 + r) * heads + head) * dim + (idx - r * dim)] * mul;
-    }
-}
-
-// Loads a row of one head into this lane's registers (zero past `dim`), times `mul`.
+// Forward: grid (row blocks of all segments, H), kThreads threads. Online softmax over key tiles
+// in registers; writes out [T, H, Dv] and lse [H, T], the logsumexp of each row's scaled scores.
+// C: D, Dv <= 32 * C. Offsets and block_prefix: [S + 1]. Key/value tiles are double-buffered:
+// the copy of tile n + 1 runs while tile n is used.
 template <typename T, int C>
-__device__ __forceinline__ void load_row(T (&reg)[C], const T* __restrict__ src, int64_t row,
-                                         int64_t heads, int64_t head, int64_t dim, int lane,
-                                         T mul) {
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-        const int64_t d = lane + c * lowbit::kWarpSize;
-        reg[c] = d < dim ? src[(row * heads + head) * dim + d] * mul : T(0);
-    }
-}
-
-// Dot product of a register row with a shared-memory row of length dim, in every lane.
-template <typename T, int C>
-__device__ __forceinline__ T dot_shared(const T (&reg)[C], const T* __restrict__ row,
-                                        int64_t dim, int lane) {
-    T part = 0;
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-        const int64_t d = lane + c * lowbit::kWarpSize;
-        if (d < dim) part += reg[c] * row[d];
-    }
-    return lowbit::warp_sum(part);
-}
-
-template <typename T, int C>
-__device__ __forceinline__ void axpy_shared(T (&reg)[C], T a, const T* __restrict__ row,
-                                            int64_t dim, int lane) {
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-        const int64_t d = lane + c * lowbit::kWarpSize;
-        if (d < dim) reg[c] += a * row[d];
-    }
-}
-
-template <typename T, int C>
-__device__ __forceinline__ void store_row(T* __restrict__ dst, const T (&reg)[C], int64_t row,
-                                          int64_t heads, int64_t head, int64_t dim, int lane,
-                                          T mul) {
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-        const int64_t d = lane + c * lowbit::kWarpSize;
-        if (d < dim) dst[(row * heads + head) * dim + d] = reg[c] * mul;
-    }
-}
-
-}  // namespace segattn
-
-// Forward: grid (row blocks of all segments, H). Online softmax over key tiles; writes out and
-// the logsumexp of each row's scaled scores.
-template <typename T, int C>
-__global__ void segmented_attention_fwd(const T* __restrict__ q,                 // [T, H, D]
-                                        const T* __restrict__ k,                 // [T, Hkv, D]
-                                        const T* __restrict__ v,                 // [T, Hkv, Dv]
-                                        const int64_t* __restrict__ offsets,     // [S + 1]
-                                        const int64_t* __restrict__ block_prefix,  // [S + 1]
-                                        T* __restrict__ out,                     // [T, H, Dv]
-                                        T* __restrict__ lse,                     // [H, T]
+__global__ void segmented_attention_fwd(const T* __restrict__ q, const T* __restrict__ k,
+                                        const T* __restrict__ v,
+                                        const int64_t* __restrict__ offsets,
+                                        const int64_t* __restrict__ block_prefix,
+                                        T* __restrict__ out, T* __restrict__ lse,
                                         int64_t num_segments, int64_t tokens, int64_t heads,
                                         int64_t kv_heads, int64_t dim, int64_t dim_v, T scale,
                                         int32_t causal) {
     using namespace segattn;
+    constexpr int V = kVec<T>, BM = kBlockRows<T>, BN = kTileRows<T>;
+    constexpr int NC = lowbit::kWarpSize * C / (kColGroups * V);
+    const int ld = tile_stride<T>(dim), ldv = tile_stride<T>(dim_v);
     LOWBIT_DYNAMIC_SHARED(T, smem);
-    T* k_tile = smem;                // [kTile, D]
-    T* v_tile = smem + kTile * dim;  // [kTile, Dv]
-    const int64_t b = blockIdx.x;
+    T* q_s = smem;                // [BM][ld]
+    T* k_s = q_s + BM * ld;       // [2][BN][ld]
+    T* v_s = k_s + 2 * BN * ld;   // [2][BN][ldv]
+    T* p_s = v_s + 2 * BN * ldv;  // [kWarps][kRowGroups * V][BN + V]
     const int64_t h = blockIdx.y;
     const int64_t g = h / (heads / kv_heads);
-    const int64_t s = find_segment(block_prefix, num_segments, b);
-    const int64_t s1 = offsets[s + 1];
-    const int64_t q0 = offsets[s] + (b - block_prefix[s]) * kBlockRows;
-    const int64_t key_stop = causal ? (q0 + kBlockRows < s1 ? q0 + kBlockRows : s1) : s1;
-    const int warp = threadIdx.x / lowbit::kWarpSize;
-    const int lane = threadIdx.x % lowbit::kWarpSize;
+    const Rows blk = block_rows<T>(offsets, block_prefix, num_segments);
+    const int64_t key_stop = causal ? blk.r0 + blk.count : blk.seg_end;
+    const Lane ln = lane_of<T>();
+    const int rg = ln.rg, cg = ln.cg, row0 = ln.row0;
+    T* p_w = p_s + ln.warp * kRowGroups * V * (BN + V);
+    const int chunks = chunks_of<T>(dim_v);
 
-    T qr[kRowsPerWarp][C], acc[kRowsPerWarp][C], m[kRowsPerWarp], l[kRowsPerWarp];
+    const auto stage_kv = [&](int64_t k0, int buf) {
+        const int count = static_cast<int>(key_stop - k0 < BN ? key_stop - k0 : BN);
+        stage(k_s + buf * BN * ld, k, k0, count, BN, kv_heads, g, dim);
+        stage(v_s + buf * BN * ldv, v, k0, count, BN, kv_heads, g, dim_v);
+        lowbit::cp_async_commit();
+    };
+    stage(q_s, q, blk.r0, blk.count, BM, heads, h, dim);
+    stage_kv(blk.seg_start, 0);
+    T acc[V][NC][V] = {}, m[V], l[V] = {};
 #pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) {
-        const int64_t row = q0 + warp * kRowsPerWarp + i;
-        load_row<T, C>(qr[i], q, row < s1 ? row : q0, heads, h, dim, lane, scale);
+    for (int i = 0; i < V; ++i) m[i] = neg_inf<T>();
+    int buf = 0;
+    for (int64_t k0 = blk.seg_start; k0 < key_stop; k0 += BN, buf ^= 1) {
+        const int count = static_cast<int>(key_stop - k0 < BN ? key_stop - k0 : BN);
+        lowbit::cp_async_wait<0>();
+        __syncthreads();  // tile n (and q) landed everywhere; every warp is done with tile n - 1
+        if (k0 + BN < key_stop) stage_kv(k0 + BN, buf ^ 1);
+        const T* k_t = k_s + buf * BN * ld;
+        const T* v_t = v_s + buf * BN * ldv;
+        T s[V][V] = {};
+        score_block(s, q_s + row0 * ld, k_t + cg * ld, ld, dim);
 #pragma unroll
-        for (int c = 0; c < C; ++c) acc[i][c] = 0;
-        m[i] = neg_inf<T>();
-        l[i] = 0;
-    }
-    for (int64_t k0 = offsets[s]; k0 < key_stop; k0 += kTile) {
-        const int count = static_cast<int>(key_stop - k0 < kTile ? key_stop - k0 : kTile);
-        __syncthreads();  // the previous tile is consumed
-        stage_rows(k_tile, k, k0, count, kv_heads, g, dim, T(1));
-        stage_rows(v_tile, v, k0, count, kv_heads, g, dim_v, T(1));
-        __syncthreads();
-#pragma unroll
-        for (int i = 0; i < kRowsPerWarp; ++i) {
-            const int64_t row = q0 + warp * kRowsPerWarp + i;
-            if (row >= s1) continue;  // warp-uniform
-            T scores[kTile];
+        for (int i = 0; i < V; ++i) {
+            const int64_t row = blk.r0 + row0 + i * kRowGroups;
             T tile_max = neg_inf<T>();
 #pragma unroll
-            for (int j = 0; j < kTile; ++j) {
-                const bool visible = j < count && (!causal || k0 + j <= row);
-                scores[j] = visible ? dot_shared<T, C>(qr[i], k_tile + j * dim, dim, lane)
-                                    : neg_inf<T>();
-                tile_max = scores[j] > tile_max ? scores[j] : tile_max;
+            for (int t = 0; t < V; ++t) {
+                const int j = cg + t * kColGroups;
+                const bool visible = j < count && !(causal && k0 + j > row);
+                s[i][t] = visible ? s[i][t] * scale : neg_inf<T>();
+                tile_max = max_of(tile_max, s[i][t]);
             }
-            // The first tile holds the segment's first key, visible to every row: m is finite
-            // from then on, and a tile whose keys are all masked leaves the state unchanged.
-            const T new_m = tile_max > m[i] ? tile_max : m[i];
+            // The first tile holds the segment's first key, visible to every row (padding rows
+            // past the segment included): m is finite from then on, and a tile whose keys are
+            // all masked for a row leaves its state unchanged.
+            const T new_m = max_of(m[i], row_reduce<true>(tile_max));
             const T alpha = exp_of(m[i] - new_m);
-            l[i] *= alpha;
+            T sum = 0;
 #pragma unroll
-            for (int c = 0; c < C; ++c) acc[i][c] *= alpha;
-#pragma unroll
-            for (int j = 0; j < kTile; ++j) {
-                if (j >= count) break;
-                const T p = exp_of(scores[j] - new_m);
-                l[i] += p;
-                axpy_shared<T, C>(acc[i], p, v_tile + j * dim_v, dim_v, lane);
+            for (int t = 0; t < V; ++t) {
+                s[i][t] = exp_of(s[i][t] - new_m);
+                sum += s[i][t];
             }
+            l[i] = l[i] * alpha + sum;  // this lane's share of the row sum
             m[i] = new_m;
+#pragma unroll
+            for (int cw = 0; cw < NC * V; ++cw) acc[i][cw / V][cw % V] *= alpha;
         }
+        put_block(p_w, s, rg, cg);
+        __syncwarp();
+        accumulate_rows<T, NC>(acc, p_w + rg * (BN + V), v_t, ldv, chunks, cg);
     }
 #pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) {
-        const int64_t row = q0 + warp * kRowsPerWarp + i;
-        if (row >= s1) continue;
-        store_row<T, C>(out, acc[i], row, heads, h, dim_v, lane, T(1) / l[i]);
-        if (lane == 0) lse[h * tokens + row] = m[i] + log_of(l[i]);
+    for (int i = 0; i < V; ++i) {
+        l[i] = row_reduce<false>(l[i]);
+        const int r = row0 + i * kRowGroups;
+        if (cg == 0 && r < blk.count) lse[h * tokens + blk.r0 + r] = m[i] + log_of(l[i]);
+        const T inv = T(1) / l[i];
+#pragma unroll
+        for (int cw = 0; cw < NC * V; ++cw) acc[i][cw / V][cw % V] *= inv;
     }
+    store_rows<T, NC>(out, acc, T(1), blk, ln, heads, h, dim_v);
 }
 
 // delta[h, t] = sum_d dout[t, h, d] * out[t, h, d]: one warp per (t, h) row, grid-stride.
@@ -207,7 +131,7 @@ __global__ void segmented_attention_bwd_delta(const T* __restrict__ dout,  // [T
          row += warps) {
         T part = 0;
         for (int64_t d = lane; d < dim_v; d += lowbit::kWarpSize) {
-            part += dout[row * dim_v + d] * out[row * dim_v + d];
+            part = segattn::fma_of(dout[row * dim_v + d], out[row * dim_v + d], part);
         }
         part = lowbit::warp_sum(part);
         const int64_t t = row / heads;
@@ -215,151 +139,180 @@ __global__ void segmented_attention_bwd_delta(const T* __restrict__ dout,  // [T
     }
 }
 
-// dq: grid (query row blocks of all segments, H). Recomputes each probability from the saved
-// logsumexp; dq = scale * sum_j ds_ij k_j with ds = p (dp - delta), dp = dout . v.
+// dq [T, H, D]: grid (query row blocks of all segments, H). Per key tile, recomputes the
+// probabilities from the saved logsumexp (lse, delta: [H, T]): p = exp(s - lse), dp = dout v^T,
+// ds = p (dp - delta), and accumulates dq += ds k in registers; dq = scale * that. Key/value
+// tiles double-buffered.
 template <typename T, int C>
-__global__ void segmented_attention_bwd_dq(const T* __restrict__ dout,            // [T, H, Dv]
-                                           const T* __restrict__ q,               // [T, H, D]
-                                           const T* __restrict__ k,               // [T, Hkv, D]
-                                           const T* __restrict__ v,               // [T, Hkv, Dv]
-                                           const T* __restrict__ lse,             // [H, T]
-                                           const T* __restrict__ delta,           // [H, T]
-                                           const int64_t* __restrict__ offsets,   // [S + 1]
-                                           const int64_t* __restrict__ block_prefix,  // [S + 1]
-                                           T* __restrict__ dq,                    // [T, H, D]
-                                           int64_t num_segments, int64_t tokens, int64_t heads,
-                                           int64_t kv_heads, int64_t dim, int64_t dim_v,
-                                           T scale, int32_t causal) {
+__global__ void segmented_attention_bwd_dq(const T* __restrict__ dout, const T* __restrict__ q,
+                                           const T* __restrict__ k, const T* __restrict__ v,
+                                           const T* __restrict__ lse,
+                                           const T* __restrict__ delta,
+                                           const int64_t* __restrict__ offsets,
+                                           const int64_t* __restrict__ block_prefix,
+                                           T* __restrict__ dq, int64_t num_segments,
+                                           int64_t tokens, int64_t heads, int64_t kv_heads,
+                                           int64_t dim, int64_t dim_v, T scale,
+                                           int32_t causal) {
     using namespace segattn;
+    constexpr int V = kVec<T>, BM = kBlockRows<T>, BN = kTileRows<T>;
+    constexpr int NC = lowbit::kWarpSize * C / (kColGroups * V);
+    const int ld = tile_stride<T>(dim), ldv = tile_stride<T>(dim_v);
     LOWBIT_DYNAMIC_SHARED(T, smem);
-    T* k_tile = smem;                // [kTile, D]
-    T* v_tile = smem + kTile * dim;  // [kTile, Dv]
-    const int64_t b = blockIdx.x;
+    T* q_s = smem;                 // [BM][ld]
+    T* do_s = q_s + BM * ld;       // [BM][ldv]
+    T* k_s = do_s + BM * ldv;      // [2][BN][ld]
+    T* v_s = k_s + 2 * BN * ld;    // [2][BN][ldv]
+    T* ds_s = v_s + 2 * BN * ldv;  // [kWarps][kRowGroups * V][BN + V]
     const int64_t h = blockIdx.y;
     const int64_t g = h / (heads / kv_heads);
-    const int64_t s = find_segment(block_prefix, num_segments, b);
-    const int64_t s1 = offsets[s + 1];
-    const int64_t q0 = offsets[s] + (b - block_prefix[s]) * kBlockRows;
-    const int64_t key_stop = causal ? (q0 + kBlockRows < s1 ? q0 + kBlockRows : s1) : s1;
-    const int warp = threadIdx.x / lowbit::kWarpSize;
-    const int lane = threadIdx.x % lowbit::kWarpSize;
+    const Rows blk = block_rows<T>(offsets, block_prefix, num_segments);
+    const int64_t key_stop = causal ? blk.r0 + blk.count : blk.seg_end;
+    const Lane ln = lane_of<T>();
+    const int rg = ln.rg, cg = ln.cg, row0 = ln.row0;
+    T* ds_w = ds_s + ln.warp * kRowGroups * V * (BN + V);
+    const int chunks = chunks_of<T>(dim);
 
-    T qr[kRowsPerWarp][C], dor[kRowsPerWarp][C], acc[kRowsPerWarp][C];
-    T row_lse[kRowsPerWarp], row_delta[kRowsPerWarp];
+    const auto stage_kv = [&](int64_t k0, int buf) {
+        const int count = static_cast<int>(key_stop - k0 < BN ? key_stop - k0 : BN);
+        stage(k_s + buf * BN * ld, k, k0, count, BN, kv_heads, g, dim);
+        stage(v_s + buf * BN * ldv, v, k0, count, BN, kv_heads, g, dim_v);
+        lowbit::cp_async_commit();
+    };
+    stage(q_s, q, blk.r0, blk.count, BM, heads, h, dim);
+    stage(do_s, dout, blk.r0, blk.count, BM, heads, h, dim_v);
+    stage_kv(blk.seg_start, 0);
+    T acc[V][NC][V] = {}, row_lse[V], row_delta[V];
 #pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) {
-        const int64_t row = q0 + warp * kRowsPerWarp + i;
-        const int64_t safe = row < s1 ? row : q0;
-        load_row<T, C>(qr[i], q, safe, heads, h, dim, lane, scale);
-        load_row<T, C>(dor[i], dout, safe, heads, h, dim_v, lane, T(1));
-#pragma unroll
-        for (int c = 0; c < C; ++c) acc[i][c] = 0;
-        row_lse[i] = lse[h * tokens + safe];
-        row_delta[i] = delta[h * tokens + safe];
+    for (int i = 0; i < V; ++i) {
+        const int r = row0 + i * kRowGroups;
+        row_lse[i] = r < blk.count ? lse[h * tokens + blk.r0 + r] : T(0);
+        row_delta[i] = r < blk.count ? delta[h * tokens + blk.r0 + r] : T(0);
     }
-    for (int64_t k0 = offsets[s]; k0 < key_stop; k0 += kTile) {
-        const int count = static_cast<int>(key_stop - k0 < kTile ? key_stop - k0 : kTile);
-        __syncthreads();
-        stage_rows(k_tile, k, k0, count, kv_heads, g, dim, T(1));
-        stage_rows(v_tile, v, k0, count, kv_heads, g, dim_v, T(1));
-        __syncthreads();
+    int buf = 0;
+    for (int64_t k0 = blk.seg_start; k0 < key_stop; k0 += BN, buf ^= 1) {
+        const int count = static_cast<int>(key_stop - k0 < BN ? key_stop - k0 : BN);
+        lowbit::cp_async_wait<0>();
+        __syncthreads();  // as in the forward
+        if (k0 + BN < key_stop) stage_kv(k0 + BN, buf ^ 1);
+        const T* k_t = k_s + buf * BN * ld;
+        T s[V][V] = {}, dp[V][V] = {};
+        score_block(s, q_s + row0 * ld, k_t + cg * ld, ld, dim);
+        score_block(dp, do_s + row0 * ldv, v_s + buf * BN * ldv + cg * ldv, ldv, dim_v);
 #pragma unroll
-        for (int i = 0; i < kRowsPerWarp; ++i) {
-            const int64_t row = q0 + warp * kRowsPerWarp + i;
-            if (row >= s1) continue;
-            for (int j = 0; j < count; ++j) {
-                if (causal && k0 + j > row) break;
-                const T p = exp_of(dot_shared<T, C>(qr[i], k_tile + j * dim, dim, lane) -
-                                   row_lse[i]);
-                const T dp = dot_shared<T, C>(dor[i], v_tile + j * dim_v, dim_v, lane);
-                axpy_shared<T, C>(acc[i], p * (dp - row_delta[i]), k_tile + j * dim, dim, lane);
+        for (int i = 0; i < V; ++i) {
+            const int64_t row = blk.r0 + row0 + i * kRowGroups;
+#pragma unroll
+            for (int t = 0; t < V; ++t) {
+                const int j = cg + t * kColGroups;
+                const bool visible = j < count && !(causal && k0 + j > row);
+                const T p = exp_of(visible ? s[i][t] * scale - row_lse[i] : neg_inf<T>());
+                s[i][t] = p * (dp[i][t] - row_delta[i]);
             }
         }
+        put_block(ds_w, s, rg, cg);
+        __syncwarp();
+        accumulate_rows<T, NC>(acc, ds_w + rg * (BN + V), k_t, ld, chunks, cg);
     }
-#pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) {
-        const int64_t row = q0 + warp * kRowsPerWarp + i;
-        if (row < s1) store_row<T, C>(dq, acc[i], row, heads, h, dim, lane, scale);
-    }
+    store_rows<T, NC>(dq, acc, scale, blk, ln, heads, h, dim);
 }
 
-// dk, dv: grid (key row blocks of all segments, Hkv). Each block loops over the query heads of
-// its group and the query tiles that see its keys, so every dk/dv element is summed by one
-// warp in a fixed order: dv_j = sum_i p_ij dout_i, dk_j = scale * sum_i ds_ij q_i.
+// dk [T, Hkv, D], dv [T, Hkv, Dv]: grid (key row blocks of all segments, Hkv). Each block loops
+// over the query heads of its group and the query tiles that see its keys, so every dk/dv
+// element is summed by one lane in a fixed order: dv_j = sum_i p_ij dout_i,
+// dk_j = scale * sum_i ds_ij q_i. Query tiles double-buffered.
 template <typename T, int C>
-__global__ void segmented_attention_bwd_dkdv(const T* __restrict__ dout,           // [T, H, Dv]
-                                             const T* __restrict__ q,              // [T, H, D]
-                                             const T* __restrict__ k,              // [T, Hkv, D]
-                                             const T* __restrict__ v,              // [T, Hkv, Dv]
-                                             const T* __restrict__ lse,            // [H, T]
-                                             const T* __restrict__ delta,          // [H, T]
-                                             const int64_t* __restrict__ offsets,  // [S + 1]
-                                             const int64_t* __restrict__ block_prefix,  // [S+1]
-                                             T* __restrict__ dk,                   // [T, Hkv, D]
-                                             T* __restrict__ dv,                   // [T, Hkv, Dv]
+__global__ void segmented_attention_bwd_dkdv(const T* __restrict__ dout,
+                                             const T* __restrict__ q, const T* __restrict__ k,
+                                             const T* __restrict__ v, const T* __restrict__ lse,
+                                             const T* __restrict__ delta,
+                                             const int64_t* __restrict__ offsets,
+                                             const int64_t* __restrict__ block_prefix,
+                                             T* __restrict__ dk, T* __restrict__ dv,
                                              int64_t num_segments, int64_t tokens,
                                              int64_t heads, int64_t kv_heads, int64_t dim,
                                              int64_t dim_v, T scale, int32_t causal) {
     using namespace segattn;
+    constexpr int V = kVec<T>, BM = kBlockRows<T>, BN = kTileRows<T>;
+    constexpr int NC = lowbit::kWarpSize * C / (kColGroups * V);
+    constexpr int kWarpTile = kRowGroups * V * (BN + V);
+    const int ld = tile_stride<T>(dim), ldv = tile_stride<T>(dim_v);
     LOWBIT_DYNAMIC_SHARED(T, smem);
-    T* q_tile = smem;                          // [kTile, D], times scale
-    T* do_tile = q_tile + kTile * dim;         // [kTile, Dv]
-    T* lse_tile = do_tile + kTile * dim_v;     // [kTile]
-    T* delta_tile = lse_tile + kTile;          // [kTile]
-    const int64_t b = blockIdx.x;
+    T* k_s = smem;                          // [BM][ld], this block's keys
+    T* v_s = k_s + BM * ld;                 // [BM][ldv]
+    T* q_s = v_s + BM * ldv;                // [2][BN][ld]
+    T* do_s = q_s + 2 * BN * ld;            // [2][BN][ldv]
+    T* p_s = do_s + 2 * BN * ldv;           // [kWarps][kRowGroups * V][BN + V]
+    T* ds_s = p_s + kWarps * kWarpTile;     // [kWarps][kRowGroups * V][BN + V]
+    T* lse_s = ds_s + kWarps * kWarpTile;   // [2][BN]
+    T* delta_s = lse_s + 2 * BN;            // [2][BN]
     const int64_t g = blockIdx.y;
     const int64_t group = heads / kv_heads;
-    const int64_t s = find_segment(block_prefix, num_segments, b);
-    const int64_t s1 = offsets[s + 1];
-    const int64_t k0 = offsets[s] + (b - block_prefix[s]) * kBlockRows;
+    const Rows blk = block_rows<T>(offsets, block_prefix, num_segments);
     // A causal query sees this block only from its first key on.
-    const int64_t query_start = causal ? k0 : offsets[s];
-    const int warp = threadIdx.x / lowbit::kWarpSize;
-    const int lane = threadIdx.x % lowbit::kWarpSize;
+    const int64_t query_start = causal ? blk.r0 : blk.seg_start;
+    const Lane ln = lane_of<T>();
+    const int rg = ln.rg, cg = ln.cg, row0 = ln.row0;
+    T* p_w = p_s + ln.warp * kWarpTile;
+    T* ds_w = ds_s + ln.warp * kWarpTile;
+    const int chunks_k = chunks_of<T>(dim), chunks_v = chunks_of<T>(dim_v);
 
-    T kr[kRowsPerWarp][C], vr[kRowsPerWarp][C], dk_acc[kRowsPerWarp][C],
-        dv_acc[kRowsPerWarp][C];
+    // Steps: (query head, query tile) pairs, head-major. The step at (h_next, r_next) is copied
+    // into the other buffer while the current one is used.
+    const int64_t h_end = (g + 1) * group;
+    int64_t h_next = g * group, r_next = query_start;
+    const auto stage_next = [&](int buf) {
+        const int count =
+            static_cast<int>(blk.seg_end - r_next < BN ? blk.seg_end - r_next : BN);
+        stage(q_s + buf * BN * ld, q, r_next, count, BN, heads, h_next, dim);
+        stage(do_s + buf * BN * ldv, dout, r_next, count, BN, heads, h_next, dim_v);
+        lowbit::cp_async_commit();
+        for (int j = threadIdx.x; j < BN; j += kThreads) {
+            lse_s[buf * BN + j] = j < count ? lse[h_next * tokens + r_next + j] : T(0);
+            delta_s[buf * BN + j] = j < count ? delta[h_next * tokens + r_next + j] : T(0);
+        }
+        r_next += BN;
+        if (r_next >= blk.seg_end) {
+            r_next = query_start;
+            ++h_next;
+        }
+    };
+    stage(k_s, k, blk.r0, blk.count, BM, kv_heads, g, dim);
+    stage(v_s, v, blk.r0, blk.count, BM, kv_heads, g, dim_v);
+    stage_next(0);
+    T dk_acc[V][NC][V] = {}, dv_acc[V][NC][V] = {};
+    int buf = 0;
+    for (int64_t h = g * group; h < h_end; ++h) {
+        for (int64_t r0 = query_start; r0 < blk.seg_end; r0 += BN, buf ^= 1) {
+            const int count = static_cast<int>(blk.seg_end - r0 < BN ? blk.seg_end - r0 : BN);
+            lowbit::cp_async_wait<0>();
+            __syncthreads();  // this step landed everywhere; every warp is done with the last
+            if (h_next < h_end) stage_next(buf ^ 1);
+            const T* q_t = q_s + buf * BN * ld;
+            const T* do_t = do_s + buf * BN * ldv;
+            const T* lse_t = lse_s + buf * BN;
+            const T* delta_t = delta_s + buf * BN;
+            T s[V][V] = {}, dp[V][V] = {};
+            score_block(s, k_s + row0 * ld, q_t + cg * ld, ld, dim);
+            score_block(dp, v_s + row0 * ldv, do_t + cg * ldv, ldv, dim_v);
 #pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) {
-        const int64_t key = k0 + warp * kRowsPerWarp + i;
-        const int64_t safe = key < s1 ? key : k0;
-        load_row<T, C>(kr[i], k, safe, kv_heads, g, dim, lane, T(1));
-        load_row<T, C>(vr[i], v, safe, kv_heads, g, dim_v, lane, T(1));
+            for (int i = 0; i < V; ++i) {
+                const int64_t key = blk.r0 + row0 + i * kRowGroups;
 #pragma unroll
-        for (int c = 0; c < C; ++c) dk_acc[i][c] = dv_acc[i][c] = 0;
-    }
-    for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        for (int64_t r0 = query_start; r0 < s1; r0 += kTile) {
-            const int count = static_cast<int>(s1 - r0 < kTile ? s1 - r0 : kTile);
-            __syncthreads();
-            stage_rows(q_tile, q, r0, count, heads, h, dim, scale);
-            stage_rows(do_tile, dout, r0, count, heads, h, dim_v, T(1));
-            for (int j = threadIdx.x; j < count; j += kThreads) {
-                lse_tile[j] = lse[h * tokens + r0 + j];
-                delta_tile[j] = delta[h * tokens + r0 + j];
-            }
-            __syncthreads();
-#pragma unroll
-            for (int i = 0; i < kRowsPerWarp; ++i) {
-                const int64_t key = k0 + warp * kRowsPerWarp + i;
-                if (key >= s1) continue;
-                for (int j = 0; j < count; ++j) {
-                    if (causal && r0 + j < key) continue;
-                    const T p = exp_of(dot_shared<T, C>(kr[i], q_tile + j * dim, dim, lane) -
-                                       lse_tile[j]);
-                    const T dp = dot_shared<T, C>(vr[i], do_tile + j * dim_v, dim_v, lane);
-                    axpy_shared<T, C>(dv_acc[i], p, do_tile + j * dim_v, dim_v, lane);
-                    axpy_shared<T, C>(dk_acc[i], p * (dp - delta_tile[j]), q_tile + j * dim,
-                                      dim, lane);
+                for (int t = 0; t < V; ++t) {
+                    const int j = cg + t * kColGroups;
+                    const bool visible = j < count && !(causal && r0 + j < key);
+                    s[i][t] = exp_of(visible ? s[i][t] * scale - lse_t[j] : neg_inf<T>());
+                    dp[i][t] = s[i][t] * (dp[i][t] - delta_t[j]);
                 }
             }
+            put_block(p_w, s, rg, cg);
+            put_block(ds_w, dp, rg, cg);
+            __syncwarp();
+            accumulate_rows<T, NC>(dv_acc, p_w + rg * (BN + V), do_t, ldv, chunks_v, cg);
+            accumulate_rows<T, NC>(dk_acc, ds_w + rg * (BN + V), q_t, ld, chunks_k, cg);
         }
     }
-#pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) {
-        const int64_t key = k0 + warp * kRowsPerWarp + i;
-        if (key >= s1) continue;
-        store_row<T, C>(dk, dk_acc[i], key, kv_heads, g, dim, lane, T(1));
-        store_row<T, C>(dv, dv_acc[i], key, kv_heads, g, dim_v, lane, T(1));
-    }
+    store_rows<T, NC>(dk, dk_acc, scale, blk, ln, kv_heads, g, dim);
+    store_rows<T, NC>(dv, dv_acc, T(1), blk, ln, kv_heads, g, dim_v);
 }

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 
 from ._kernels import NVRTC_OPTIONS
 
-__all__ = ["available", "unavailable_reason", "compile_check", "compile_ptx", "SUPPORTED_ARCHS"]
+__all__ = ["available", "unavailable_reason", "compile_check", "compile_ptx", "sass",
+           "sass_available", "sass_counts", "SUPPORTED_ARCHS"]
 
 SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 _INSTALL_HINT = "pip install cuda-bindings nvidia-cuda-nvrtc (the lowbit[test] extra)"
@@ -174,7 +175,7 @@ def compile_check(code: str, name_expressions: Sequence[str], include_dirs: Sequ
         RuntimeError: NVRTC is unavailable, or the source does not compile (the message holds
             NVRTC's full log), or a name expression is missing from ptxas's report.
     """
-    log, lowered, _ = _compile_cached(code, name_expressions, include_dirs, arch, options)
+    log, lowered, _, _ = _compile_cached(code, name_expressions, include_dirs, arch, options)
     usage = parse_ptxas_log(log)
     report = {}
     for n, mangled in lowered.items():
@@ -201,8 +202,8 @@ def _compile_cached(code, name_expressions, include_dirs, arch, options):
 
 
 @functools.lru_cache(maxsize=64)
-def _compile(code, name_expressions, include_dirs, arch, options) -> tuple[str, dict, str]:
-    """(program log, lowered names, PTX) of one NVRTC compile; the same compile of a source is
+def _compile(code, name_expressions, include_dirs, arch, options) -> tuple[str, dict, str, bytes]:
+    """(program log, lowered names, PTX, cubin) of one NVRTC compile; the same compile of a source is
     asked for its resources and its PTX, so it is kept."""
     nvrtc, info = _load()
     if nvrtc is None:
@@ -235,6 +236,84 @@ def _compile(code, name_expressions, include_dirs, arch, options) -> tuple[str, 
         buf = bytearray(size)
         (err,) = nvrtc.nvrtcGetPTX(prog, buf)
         _check(nvrtc, err, "nvrtcGetPTX")
+        err, size = nvrtc.nvrtcGetCUBINSize(prog)
+        _check(nvrtc, err, "nvrtcGetCUBINSize")
+        cubin = bytearray(size)
+        (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
+        _check(nvrtc, err, "nvrtcGetCUBIN")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    return log, lowered, bytes(buf).rstrip(b"\0").decode(errors="replace")
+    return log, lowered, bytes(buf).rstrip(b"\0").decode(errors="replace"), bytes(cubin)
+
+
+def _cuobjdump() -> str | None:
+    """The ``cuobjdump`` of the ``nvidia-cuda-cuobjdump`` wheel (or one on PATH), or None."""
+    import shutil
+
+    for base in sys.path:
+        for path in sorted(glob.glob(os.path.join(base, "nvidia", "*", "bin", "cuobjdump"))):
+            if os.access(path, os.X_OK):
+                return path
+    return shutil.which("cuobjdump")
+
+
+def sass_available() -> bool:
+    """Whether NVRTC loads and a ``cuobjdump`` (pip ``nvidia-cuda-cuobjdump``) is found."""
+    return available() and _cuobjdump() is not None
+
+
+_SASS_FUNCTION = re.compile(r"^\s*Function : (\S+)\s*$", re.M)
+
+
+def sass(code: str, name_expressions: Sequence[str], include_dirs: Sequence[str], arch: str,
+         options: Sequence[str] = ()) -> dict[str, str]:
+    """The SASS of each kernel of ``code`` compiled as ``compile_check`` does.
+
+    The cubin comes from the same NVRTC compile (``nvrtcGetCUBIN``); ``cuobjdump -sass``
+    disassembles it (no GPU needed). Returns ``{name_expression: sass text}``.
+
+    Raises:
+        RuntimeError: NVRTC or cuobjdump is unavailable, or a kernel is missing from the dump.
+    """
+    import subprocess
+    import tempfile
+
+    tool = _cuobjdump()
+    if tool is None:
+        raise RuntimeError("cuobjdump not found; pip install nvidia-cuda-cuobjdump "
+                           "nvidia-cuda-nvdisasm (the lowbit[test] extra)")
+    _, lowered, _, cubin = _compile_cached(code, name_expressions, include_dirs, arch, options)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        env = dict(os.environ)
+        env["PATH"] = os.path.dirname(tool) + os.pathsep + env.get("PATH", "")
+        text = subprocess.run([tool, "-sass", path], check=True, capture_output=True,
+                              text=True, env=env).stdout
+    marks = list(_SASS_FUNCTION.finditer(text))
+    bodies = {m.group(1): text[m.end():(marks[i + 1].start() if i + 1 < len(marks) else None)]
+              for i, m in enumerate(marks)}
+    out = {}
+    for n, mangled in lowered.items():
+        if mangled not in bodies:
+            raise RuntimeError(f"kernel {n!r} ({mangled}) is missing from the SASS of {arch}")
+        out[n] = bodies[mangled]
+    return out
+
+
+_OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def sass_counts(text: str, opcodes: Sequence[str] = ("IMMA", "HMMA", "LDSM", "LDGSTS", "IDP",
+                                                      "FFMA", "DFMA", "SHFL", "LDL", "STL",
+                                                      "LDG", "LDS", "BAR")) -> dict[str, int]:
+    """Static count of each SASS opcode (the mnemonic before its first ``.``) in ``text``.
+
+    Instructions predicated on ``!PT`` (never true: ptxas's placeholders beside asynchronous
+    copies) are not counted."""
+    counts = dict.fromkeys(opcodes, 0)
+    for m in _OPCODE.finditer(text):
+        if m.group(2) in counts and (m.group(1) or "").strip() != "@!PT":
+            counts[m.group(2)] += 1
+    return counts

@@ -44,6 +44,8 @@ NAME_EXPRESSIONS = (
     "shuffle_halves",
     "shuffle_wide",
     "dp4a_kernel",
+    "ldmatrix_probe",
+    "cp_async_probe",
     "math_ops",
     "bit_ops",
     "sync_votes",
@@ -274,6 +276,44 @@ def test_dp4a(mod, rng):
     np.testing.assert_array_equal(out_u, exp_u.astype(np.uint64).astype(np.uint32))
 
 
+def test_ldmatrix_twin_layout(mod, rng):
+    """ldmatrix.x4 / .x2 (cuda/common.cuh): lane l gets word l % 4 of row l // 4 of matrix i,
+    the row whose address lane 8 i + l // 4 gave (PTX ISA, m8n8 .b16 fragments)."""
+    x = rng.integers(0, 2**32, 4 * 8 * 4, dtype=np.uint64).astype(np.uint32)
+    out = np.zeros((WARP, 6), np.uint32)
+    mod.get_function("ldmatrix_probe")(1, WARP, (x, out))
+    lane = np.arange(WARP)
+    # lane 8 i + j gave tile row 8 i + 7 - j
+    expected = np.stack([x[(8 * i + 7 - lane // 4) * 4 + lane % 4] for i in range(4)], axis=1)
+    np.testing.assert_array_equal(out[:, :4], expected)
+    np.testing.assert_array_equal(out[:, 4:], expected[:, :2])
+
+
+def test_cp_async_groups_and_zero_fill(mod, rng):
+    n = 40  # a partial second warp
+    src = rng.integers(0, 256, 32 * n, dtype=np.uint8)
+    nbytes = np.stack([rng.integers(0, 17, n), rng.integers(0, 9, n), rng.integers(0, 5, n)], 1)
+    nbytes[0] = (16, 8, 4)
+    nbytes[1] = (0, 0, 0)
+    out = np.zeros((n, 45), np.uint8)
+    mod.get_function("cp_async_probe")(1, n, (src, nbytes.astype(np.int32).ravel(), out))
+    landed = np.zeros((n, 28), np.uint8)
+    for t in range(n):
+        for offset, size, count in zip((0, 16, 24), (16, 8, 4), nbytes[t]):
+            landed[t, offset:offset + count] = src[32 * t + offset:32 * t + offset + count]
+    assert (out[:, 0] == 0xab).all(), "cudasim writes a cp.async destination at the wait"
+    np.testing.assert_array_equal(out[:, 1:17], landed[:, :16])
+    np.testing.assert_array_equal(out[:, 17:], np.roll(landed, -1, axis=0))
+
+
+def test_cp_async_misaligned_source_is_an_error(mod):
+    n = 2
+    src = np.zeros(32 * n + 1, np.uint8)[1:]  # 16-byte cp.async from an odd address
+    with pytest.raises(RuntimeError, match="cp.async of 16 bytes .* must be aligned"):
+        mod.get_function("cp_async_probe")(1, n, (src, np.full(3 * n, 4, np.int32),
+                                                  np.zeros((n, 45), np.uint8)))
+
+
 def test_math_intrinsics(mod, rng):
     specials = [0.5, 1.5, 2.5, -0.5, -2.5, 3.5, 0.0, -0.0, 1e10, -1e10, np.inf, np.nan]
     x = np.concatenate([specials, rng.standard_normal(40) * 4]).astype(np.float32)
@@ -360,8 +400,10 @@ def _header_intrinsics() -> set[str]:
 
 def test_every_intrinsic_of_the_header_is_used():
     """The emulation header carries what kernels use and nothing more: every intrinsic it
-    defines is called by a kernel (cuda/*.cu, cuda/common.cuh) or a test kernel here."""
-    sources = [*(ROOT / "cuda").glob("*.cu"), ROOT / "cuda" / "common.cuh",
+    defines is called by a kernel (cuda/*.cu and the headers beside them, but the emulation
+    header itself) or a test kernel here."""
+    sources = [*(ROOT / "cuda").glob("*.cu"),
+               *(h for h in (ROOT / "cuda").glob("*.cuh") if h.name != "cudasim.cuh"),
                *(TESTS / "cuda").glob("*.cu")]
     used = set(re.findall(r"\w+", "\n".join(s.read_text() for s in sources)))
     defined = _header_intrinsics()

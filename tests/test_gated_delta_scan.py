@@ -384,3 +384,76 @@ def test_numpy_chunked_inference_equals_training_bitwise(rng):
         out2, state2, _ = lowbit.gated_delta_scan_forward(*inputs, chunk_size=5)
     np.testing.assert_array_equal(out, out2)
     np.testing.assert_array_equal(state, state2)
+
+
+# -- CUDA kernels: several blocks along V -----
+# The launcher (lowbit/ops/gated_delta_scan/_cuda.py) splits each column of the state over a
+# group of threads and V over blocks; MAX_THREADS is lowered here so that small shapes, which
+# cudasim runs quickly, still take several blocks along V, the last one partly idle.
+
+@pytest.fixture(params=["cudasim", pytest.param("cuda", marks=pytest.mark.gpu)])
+def kernels(request, monkeypatch):
+    """(launcher module with ``MAX_THREADS`` lowered to 64, ``helpers.Backend``), under a
+    forced cudasim or cuda backend."""
+    from helpers import Backend
+    from lowbit import _dispatch
+    from lowbit.ops.gated_delta_scan import _cuda
+
+    reason = _dispatch.backend_unavailable_reason(request.param)
+    if reason is not None:
+        pytest.skip(f"backend {request.param} unavailable: {reason}")
+    monkeypatch.setattr(_cuda, "MAX_THREADS", 64)
+    with lowbit.use_backend(request.param):
+        yield _cuda, Backend(request.param)
+
+
+@pytest.mark.parametrize("shape,chunk_size,per_key,dtype,rtol", [
+    # group 4, 16 columns per block: blocks of 16, 16, 5 columns
+    ((1, 9, 2, 20, 37), 4, True, np.float64, 1e-10),
+    ((1, 9, 2, 20, 37), 4, False, np.float32, 3e-5),
+    # group 8 (K = 64), 8 columns per block: 8 + 3
+    ((2, 5, 1, 64, 11), 2, False, np.float64, 1e-10),
+    ((2, 5, 1, 64, 11), 2, True, np.float32, 3e-5),
+    # group 2, 32 + 5 columns; tiles of 16 tokens forward, 2 + 2 + 1 in each chunk backward
+    ((1, 37, 1, 12, 37), 5, True, np.float64, 1e-10),
+    ((1, 37, 1, 12, 37), 5, False, np.float32, 3e-5),
+    # groups of 16 and 32 threads (K = 100, 130): 4 + 1 and 2 + 1 columns
+    ((1, 3, 1, 100, 5), 2, True, np.float64, 1e-10),
+    ((1, 3, 1, 130, 3), 2, False, np.float64, 1e-10),
+])
+def test_kernels_with_several_blocks_along_v(kernels, rng, shape, chunk_size, per_key, dtype,
+                                             rtol):
+    launcher, backend = kernels
+    nk, nv = shape[3], shape[4]
+    group, cols = launcher._layout(nk, nv)
+    assert group * launcher.ROWS >= nk and nv % cols and nv > cols
+    inputs = make_inputs(rng, *shape, per_key=per_key, dtype=dtype)
+    check_against_reference(backend, rng, inputs, chunk_size, rtol)
+
+
+def test_kernels_are_deterministic_across_blocks(kernels, rng):
+    inputs = make_inputs(rng, 1, 5, 1, 20, 37, per_key=True, dtype=np.float32)
+    dout = rng.normal(size=inputs[2].shape).astype(np.float32)
+    dstate = rng.normal(size=inputs[5].shape).astype(np.float32)
+    backend = kernels[1]
+    first = run_backend(backend, inputs, dout, dstate, 3)
+    second = run_backend(backend, inputs, dout, dstate, 3)
+    for a, b in zip((first[0], first[1], *first[2]), (second[0], second[1], *second[2])):
+        np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
+
+
+def test_kernel_layout_fills_a_gpu_at_b16_h8_k64_v64():
+    from lowbit.ops.gated_delta_scan import _cuda
+
+    group, cols = _cuda._layout(64, 64)
+    blocks = 16 * 8 * -(-64 // cols)
+    assert (group, cols) == (8, 32)
+    assert blocks * group * cols // 32 == 2048  # warps: 16 per SM of a 132-SM GPU
+
+
+def test_kernels_refuse_k_past_the_register_layout(kernels, rng):
+    launcher, backend = kernels
+    nk = launcher.ROWS * launcher.MAX_GROUP + 1
+    inputs = make_inputs(rng, 1, 2, 1, nk, 3, dtype=np.float32)
+    with pytest.raises(ValueError, match="K=257"):
+        lowbit.gated_delta_scan(*(backend.to(a) for a in inputs))

@@ -94,6 +94,7 @@ PATTERNS = [
     (4, [True, False, True], 10),
     (2, [[True, False, False], [False, False, False]], 6),
     (2, [[False, True, True, False], [True, False, False, True]], 8),
+    (8, [True, False, True], 20),  # blocks on byte boundaries of the packed codes, partial last
 ]
 
 
@@ -185,3 +186,37 @@ def test_bad_latent_pattern_names_the_argument(never_runs, rng, pattern, match):
     with pytest.raises(exc, match=match):
         lowbit.lowrank_residual_forward(current, encoder, encoder_v, decoder,
                                         latent_pattern=pattern)
+
+
+@pytest.mark.parametrize("format", ["ternary", "sign", "int8"])
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25],
+                                  [2, 3, 4, 5, 17], [16, 17, 18, 19, 20, 21, 22, 23]],
+                         ids=["aligned-runs", "unaligned", "one-run"])
+def test_gather_rows_keeps_codes_and_scale(rng, format, rows):
+    # Byte-aligned runs are gathered as bytes, others re-packed: both must hold the codes of
+    # the chosen rows with the whole tensor's scale.
+    from lowbit.ops.lowrank_residual._pattern import gather_rows
+
+    w = rng.standard_normal((26, 5)).astype(np.float32)
+    pw = lowbit.quantize_weight(w, format)
+    rows = np.array(rows, np.int64)
+    got = gather_rows(pw, rows)
+    assert got.shape == (len(rows), 5) and got.format == format
+    assert_equal("codes", pw.codes()[rows], got.codes())
+    assert_equal("scale", pw.scale, got.scale)
+
+
+def test_scatter_add_by_runs_and_by_gather(rng, monkeypatch):
+    from lowbit.ops.lowrank_residual import _layer_backward
+
+    index = np.array([1, 2, 3, 7, 8, 12], np.int64)
+    dw = rng.standard_normal((len(index), 3)).astype(np.float32)
+    base = rng.standard_normal((14, 3)).astype(np.float32)
+    expected = base.copy()
+    for i, r in enumerate(index):
+        expected[r] += dw[i]
+    for max_runs in (64, 1):  # runs added as slices, or (too many runs) one gather
+        monkeypatch.setattr(_layer_backward, "MAX_RUNS", max_runs)
+        grad = base.copy()
+        _layer_backward._scatter_add(grad, index, dw)
+        assert_equal(f"max_runs={max_runs}", expected, grad)

@@ -219,3 +219,75 @@ def test_gpu_load_compiles_with_lowbits_options_once_into_the_cache(tmp_path, mo
     assert all(name.startswith("_Z") for name in lowered.values())
     again = _kernels._compile_cubin(*args)
     assert again == (cubin, lowered) and len(fake.compiled_with) == 1
+
+
+# -- SASS facts (issue 15): the instructions each rebuilt kernel is built around -------------------
+
+needs_sass = pytest.mark.skipif(not _nvrtc.sass_available(),
+                                reason="cuobjdump not found: pip install nvidia-cuda-cuobjdump "
+                                       "nvidia-cuda-nvdisasm (the lowbit[test] extra)")
+
+#: Per kernel family (the name before ``<``): a check of its sm_90 SASS counts, and what it says.
+SASS_AIMS = {
+    # One 64-k stage of the 128 x 128 tile: 8 warps of 64 x 32, 32 m16n8k32 mma, 12 ldmatrix.x4.
+    "gemm_int": (lambda c, name: c["IMMA"] >= 32 and c["LDSM"] >= 12 and c["LDGSTS"] >= 4,
+                 ">= 32 IMMA (16 per k32), >= 12 LDSM and cp.async (LDGSTS) per stage"),
+    # One 128-bit weight load per lane (64 ternary codes), a dp4a per 4 codes for each of the 8
+    # rows: 16 IDP per 32-bit weight word for ternary (32 sign, 1 int8 per row of 4 codes). The
+    # static count of one body copy: 128 / 256 / 32 (the compiler may duplicate the body).
+    "gemv_int": (lambda c, name: c["IDP"] >= {"0": 128, "1": 256, "2": 32}[name[-2]],
+                 ">= 4 IDP per 32-bit weight word per row (ternary; sign 8, int8 1)"),
+    # FlashAttention-2's structure (float: the double twins run DFMA): register-blocked score
+    # products, the softmax statistics in registers; the backward has no warp reductions.
+    "segmented_attention_fwd": (lambda c, name: "double" in name or c["FFMA"] >= 8 * c["SHFL"]
+                                and c["FFMA"] >= 400, ">= 8 FFMA per SHFL, >= 400 FFMA"),
+    "segmented_attention_bwd_dq": (lambda c, name: "double" in name or c["SHFL"] == 0
+                                   and c["FFMA"] >= 400, "no SHFL, >= 400 FFMA"),
+    "segmented_attention_bwd_dkdv": (lambda c, name: "double" in name or c["SHFL"] == 0
+                                     and c["FFMA"] >= 400, "no SHFL, >= 400 FFMA"),
+    # Scans: the state's columns split over groups of lanes; a few shuffles per token for the
+    # sums over K (the per-token work is FMA on register-held state rows).
+    "gated_delta_fwd": (lambda c, name: "double" in name or c["FFMA"] >= 8 * c["SHFL"],
+                        ">= 8 FFMA per SHFL"),
+    "gated_delta_bwd": (lambda c, name: "double" in name or c["FFMA"] >= 3 * c["SHFL"],
+                        ">= 3 FFMA per SHFL"),
+    "selective_fwd": (lambda c, name: "double" in name or c["FFMA"] >= 8 * c["SHFL"],
+                      ">= 8 FFMA per SHFL"),
+    "selective_bwd": (lambda c, name: "double" in name or c["FFMA"] >= 3 * c["SHFL"],
+                      ">= 3 FFMA per SHFL"),
+}
+
+
+def _sass_rows(launcher, arch="sm_90"):
+    code = _kernels.source(launcher.SOURCE)
+    texts = _nvrtc.sass(code, launcher.NAME_EXPRESSIONS, [str(_kernels.cuda_dir())], arch)
+    return {name: (_nvrtc.sass_counts(text), text) for name, text in texts.items()}
+
+
+def test_sass_counts_parse_a_listing():
+    text = "\n".join([
+        "        /*0080*/                   IMMA.16832.S8.S8 R8, R12.ROW, R20.COL, R8 ;",
+        "        /*0090*/              @!P0 LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64] ;",
+        "        /*00a0*/                   LDSM.16.M88.4 R12, [R2] ;",
+        "        /*00b0*/                   FFMA R1, R2, R3, R1 ;",
+        "        /*00c0*/               @P1 FFMA R1, R2, R3, R1 ;",
+        "        /*00d0*/                   SHFL.BFLY PT, R5, R4, 0x1, 0x1f ;",
+        "        /*00e0*/              @!PT LDS RZ, [RZ] ;",
+        "        /*00f0*/                   LDS.128 R4, [R2+0x10] ;",
+    ])
+    counts = _nvrtc.sass_counts(text)
+    assert (counts["IMMA"], counts["LDGSTS"], counts["LDSM"], counts["FFMA"],
+            counts["SHFL"], counts["LDS"], counts["LDL"]) == (1, 1, 1, 2, 1, 1, 0)
+
+
+@needs_sass
+@pytest.mark.parametrize("launcher", list(_op_launchers()))
+def test_every_kernel_sass_has_no_local_memory_and_meets_its_aims(launcher):
+    for name, (counts, text) in sorted(_sass_rows(launcher).items()):
+        shown = {k: v for k, v in counts.items() if v}
+        print(f"{launcher.SOURCE} sm_90 {name}: {shown}")
+        assert counts["LDL"] == 0 and counts["STL"] == 0, (name, shown)
+        family = name.split("<")[0]
+        if family in SASS_AIMS:
+            check, aim = SASS_AIMS[family]
+            assert check(counts, name), f"{name}: {aim}; SASS counts {shown}"

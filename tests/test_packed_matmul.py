@@ -3,7 +3,8 @@
 Every backend against ``reference/packed_matmul.py`` (forward, both gradients, and the backward
 with ``grad_format="int8"`` bit for bit), the reference backward against central finite
 differences, ctx byte accounting, bad input. Kernels: ``cuda/packed_matmul.cu`` (GEMV,
-tensor-core GEMM twin, dx, dw under cudasim); numba's AVX-512 tiles at their edges.
+tensor-core GEMM twin, dx, dw under cudasim; their edges: ``tests/test_packed_matmul_cuda.py``);
+numba's AVX-512 tiles at their edges.
 """
 
 import numpy as np

@@ -27,6 +27,12 @@ SMALL = [
     pytest.param([5, 6], 8, 2, 1, 1, id="grouped-8-2-dim1"),
     pytest.param([20, 3], 1, 1, 64, 64, id="dim64"),
     pytest.param([9, 8], 1, 1, 128, 96, id="dim128"),
+    # The CUDA kernels' tiles in float32: 64 rows per block, 32 keys (or queries) per tile. Three
+    # query blocks and five key tiles in the first segment, a second one starting mid-tile; D and
+    # Dv not multiples of the 8-element feature step nor of the 32-element chunk.
+    pytest.param([150, 45], 2, 1, 37, 19, id="multi-block-odd"),
+    # The widest register tiles (D, Dv up to 128) over two query blocks and three key tiles.
+    pytest.param([70], 1, 1, 100, 128, id="multi-block-dim128"),
 ]
 # Too slow for the emulator: run on numpy, numba (and a real GPU).
 LARGE = [
@@ -78,6 +84,13 @@ def test_matches_reference(backend, rng, lengths, heads, kv_heads, dim, dim_v, c
 def test_matches_reference_float64_and_scale(backend, rng, causal):
     _check_against_reference(backend, rng, [7, 1, 12], 4, 2, 5, 3, causal, np.float64,
                              scale=0.37)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_matches_reference_float64_multi_block(backend, rng, causal):
+    # float64 tiles of the CUDA kernels: 32 rows per block, 16 keys per tile; odd D and Dv, a
+    # head group of three.
+    _check_against_reference(backend, rng, [70, 33], 3, 1, 9, 5, causal, np.float64)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -279,3 +279,76 @@ def test_backward_rejects_bad_gradient_shape(rng, never_runs, name):
 def test_backward_rejects_foreign_ctx(rng, never_runs):
     with pytest.raises(TypeError, match="ctx"):
         lowbit.selective_scan_backward(np.zeros((2, 3, 2, 4), np.float32), None, object())
+
+
+# -- CUDA kernels: several blocks along P --------------------------------------------------------
+# The launcher (lowbit/ops/selective_scan/_cuda.py) splits each row p of the state over a group
+# of threads and P over blocks; MAX_THREADS is lowered here so that small shapes, which cudasim
+# runs quickly, still take several blocks along P, the last one partly idle.
+
+@pytest.fixture(params=["cudasim", pytest.param("cuda", marks=pytest.mark.gpu)])
+def kernels(request, monkeypatch):
+    """(launcher module with ``MAX_THREADS`` lowered to 64, ``helpers.Backend``), under a
+    forced cudasim or cuda backend."""
+    from helpers import Backend
+    from lowbit import _dispatch
+    from lowbit.ops.selective_scan import _cuda
+
+    reason = _dispatch.backend_unavailable_reason(request.param)
+    if reason is not None:
+        pytest.skip(f"backend {request.param} unavailable: {reason}")
+    monkeypatch.setattr(_cuda, "MAX_THREADS", 64)
+    with lowbit.use_backend(request.param):
+        yield _cuda, Backend(request.param)
+
+
+@pytest.mark.parametrize("shape,chunk_size,dt_floor,dtype,rtol", [
+    # group 4, 16 rows p per block: blocks of 16, 16, 5
+    ((1, 9, 2, 37, 20), 4, 0.7, np.float64, 1e-10),
+    ((1, 9, 2, 37, 20), 4, 0.0, np.float32, 3e-5),
+    # group 8 (N = 64), 8 rows p per block: 8 + 3
+    ((2, 5, 1, 11, 64), 2, 0.0, np.float64, 1e-10),
+    ((2, 5, 1, 11, 64), 2, 0.7, np.float32, 3e-5),
+    # group 2, 32 + 5 rows p; tiles of 16 tokens forward, 2 + 2 + 1 in each chunk backward
+    ((1, 37, 1, 37, 12), 5, 0.7, np.float64, 1e-10),
+    ((1, 37, 1, 37, 12), 5, 0.0, np.float32, 3e-5),
+    # groups of 16 and 32 threads (N = 100, 130): 4 + 1 and 2 + 1 rows p
+    ((1, 3, 1, 5, 100), 2, 0.7, np.float64, 1e-10),
+    ((1, 3, 1, 3, 130), 2, 0.0, np.float64, 1e-10),
+])
+def test_kernels_with_several_blocks_along_p(kernels, rng, shape, chunk_size, dt_floor, dtype,
+                                             rtol):
+    launcher, backend = kernels
+    npp, nn = shape[3], shape[4]
+    group, cols = launcher._layout(npp, nn)
+    assert group * launcher.STATES >= nn and npp % cols and npp > cols
+    inputs = make_inputs(rng, *shape, dtype=dtype)
+    check_against_reference(backend, rng, inputs, chunk_size, rtol, dt_floor)
+
+
+def test_kernels_are_deterministic_across_blocks(kernels, rng):
+    inputs = make_inputs(rng, 1, 5, 1, 37, 20, dtype=np.float32)
+    dout = rng.normal(size=inputs[0].shape).astype(np.float32)
+    dstate = rng.normal(size=inputs[7].shape).astype(np.float32)
+    backend = kernels[1]
+    first = run_backend(backend, inputs, dout, dstate, 0.1, 3)
+    second = run_backend(backend, inputs, dout, dstate, 0.1, 3)
+    for a, b in zip((first[0], first[1], *first[2]), (second[0], second[1], *second[2])):
+        np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
+
+
+def test_kernel_layout_fills_a_gpu_at_b16_h8_p64_n64():
+    from lowbit.ops.selective_scan import _cuda
+
+    group, cols = _cuda._layout(64, 64)
+    blocks = 16 * 8 * -(-64 // cols)
+    assert (group, cols) == (8, 32)
+    assert blocks * group * cols // 32 == 2048  # warps: 16 per SM of a 132-SM GPU
+
+
+def test_kernels_refuse_n_past_the_register_layout(kernels, rng):
+    launcher, backend = kernels
+    nn = launcher.STATES * launcher.MAX_GROUP + 1
+    inputs = make_inputs(rng, 1, 2, 1, 3, nn, dtype=np.float32)
+    with pytest.raises(ValueError, match="N=257"):
+        lowbit.selective_scan(*(backend.to(a) for a in inputs))

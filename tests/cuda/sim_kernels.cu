@@ -179,6 +179,51 @@ extern "C" __global__ void dp4a_kernel(const int* __restrict__ a,       // [n]
                         static_cast<unsigned>(c[i]));
 }
 
+// ldmatrix x4 and x2 (cuda/common.cuh) from a shared tile of 4 matrices x 8 rows of 16 bytes
+// (32-byte rows: 16-byte aligned, half padding) filled from x; lane l gives the address of row
+// 7 - l % 8 of matrix l / 8, so every row travels to other lanes. One warp.
+extern "C" __global__ void ldmatrix_probe(const unsigned* __restrict__ x,  // [4 * 8 * 4]
+                                          unsigned* __restrict__ out) {    // [32, 6]
+    __shared__ __align__(16) unsigned tile[4 * 8][8];
+    const int lane = threadIdx.x;
+    for (int i = lane; i < 4 * 8 * 4; i += 32) tile[i / 4][i % 4] = x[i];
+    __syncthreads();
+    unsigned r4[4], r2[2];
+    const int row = lane / 8 * 8 + 7 - lane % 8;
+    lowbit::ldmatrix_x4(r4, tile[row]);
+    lowbit::ldmatrix_x2(r2, tile[row]);  // the addresses of lanes 16..31 are not read
+    for (int i = 0; i < 4; ++i) out[lane * 6 + i] = r4[i];
+    for (int i = 0; i < 2; ++i) out[lane * 6 + 4 + i] = r2[i];
+}
+
+// cp.async (cuda/common.cuh) of 16, then 8 and 4 bytes per thread from src + 32 t with
+// src_bytes[3 t + i] bytes read (the rest zero-filled), in two commit groups. Destinations start
+// as 0xab bytes; out[t] gets: the first byte of the 16-byte destination right after the copy
+// was issued (still 0xab under cudasim, which writes at the wait), the 16 bytes after wait<1>
+// (the first group is complete), and the 28 bytes of thread (t + 1) % n after wait<0> and a
+// barrier.
+constexpr int kAsyncMax = 64;
+extern "C" __global__ void cp_async_probe(const unsigned char* __restrict__ src,  // [32 n]
+                                          const int* __restrict__ src_bytes,      // [3 n]
+                                          unsigned char* __restrict__ out) {      // [n, 45]
+    __shared__ __align__(16) unsigned char buf[kAsyncMax][32];
+    const int t = threadIdx.x;
+    const int n = blockDim.x;
+    for (int i = 0; i < 32; ++i) buf[t][i] = 0xab;
+    unsigned char* o = out + t * 45;
+    lowbit::cp_async<16>(buf[t], src + 32 * t, src_bytes[3 * t]);
+    o[0] = buf[t][0];
+    lowbit::cp_async_commit();
+    lowbit::cp_async<8>(buf[t] + 16, src + 32 * t + 16, src_bytes[3 * t + 1]);
+    lowbit::cp_async<4>(buf[t] + 24, src + 32 * t + 24, src_bytes[3 * t + 2]);
+    lowbit::cp_async_commit();
+    lowbit::cp_async_wait<1>();
+    for (int i = 0; i < 16; ++i) o[1 + i] = buf[t][i];
+    lowbit::cp_async_wait<0>();
+    __syncthreads();
+    for (int i = 0; i < 28; ++i) o[17 + i] = buf[(t + 1) % n][i];
+}
+
 // One thread computes a row of intrinsic results for the input x[t].
 constexpr int kMathCols = 12;
 extern "C" __global__ void math_ops(const float* __restrict__ x,  // [n]

@@ -5,8 +5,9 @@ over batch x head x slices of V), ``_cuda.py`` (launchers for ``cuda/gated_delta
 The chunked (WY / UT) form of the same function, matrix products within blocks of 64 tokens,
 is chosen by this rule: the numpy backend runs it for one decay per head and T >= 4
 (``_numpy.use_chunked``; forward 1.7-1.9x, backward 2.2-4.9x its token loop); the numba backend
-never does: ``_numba_chunked.py`` measured forward 0.9x, backward 0.6x of the token-by-token
-kernels (B = 4, T = 2048, H = 8, K = V = 64, 2-core AMD EPYC; ``_numba.py`` has the figures).
+never does: ``_numba_chunked.py`` measured forward 0.9-1.0x, backward 0.55x of the token-by-token
+kernels (B = 4, T = 2048, H = 8, K = V = 64, 2-core AMD EPYC; ``_numba.py`` has the figures and
+why the form cannot pay there).
 Reference: ``reference/gated_delta_scan.py``; tests: ``tests/test_gated_delta_scan.py``;
 benchmark: ``bench/scan.py``.
 

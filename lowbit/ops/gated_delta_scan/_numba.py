@@ -14,12 +14,18 @@ the reverse sweep gets ddelta = (ds + q do^T)^T k = ds^T k + (q.k) do before its
 ds^T k part accumulated by the previous (later) token's pass as it writes ds.
 
 ``forward`` and ``backward`` run these kernels for every shape. The chunked form of the same
-function (``_numba_chunked.py``: matrix products within blocks of 64 tokens) measured slower on
-the CPU it was built on (AMD EPYC, AVX-512, 2 cores; B = 4, T = 2048, H = 8, K = V = 64, float32,
-interleaved runs, process CPU time): forward 0.8-0.9x and backward 0.6x of these kernels, which
-already run at about 40 (forward) and 80 (backward) GFLOP/s per core, while the chunked form
-does 1.6-1.8x their multiply-adds at ~80 GFLOP/s (OpenBLAS's 64 x 64 x 64 sgemm); at
-K = V = 128, 1.0x and 0.77x. So nothing selects it; it stays callable (tests, ``bench/scan.py``).
+function (``_numba_chunked.py``: matrix products within blocks of 64 tokens) is no faster on the
+CPU it was built on (AMD EPYC, Zen 5, AVX-512, 2 cores; B = 4, T = 2048, H = 8, K = V = 64,
+float32, interleaved runs, process CPU time): forward 0.9-1.0x and backward 0.55x of these
+kernels, which already run at about 40-50 (forward) and 65-80 (backward) GFLOP/s per core. The
+chunked form needs at least the three products with the state (Q S, K S, (b K).T delta: 3 K V
+multiply-adds per token) plus the block terms, 21K multiply-adds per token and head in 64-token
+blocks against the forward kernel's 16K vector operations; 2.5x would take ~160 GFLOP/s per
+core, above OpenBLAS's large sgemm here (~125) and far above Numba's loops on 64-long products
+(a 4 x 4 register-tile kernel: 90 alone, ~60 inside the block algebra; every product in such
+tiles measured 0.9-1.0x forward too). Smaller blocks cut the block terms but shorten the sums
+(the tile at 32 / 16: 54 / 30 GFLOP/s). So nothing selects it; it stays callable (tests,
+``bench/scan.py``).
 """
 
 import math

@@ -41,8 +41,10 @@ weight gradients into caller-held buffers (BDH applies one layer several times w
 weights). Per-stage time and bytes: ``lowbit.profile()`` (``lowbit/_profile.py``).
 
 Block patterns (``lowbit.BlockPattern``, ``latent_pattern=``; ``_pattern.py``): each head runs on
-its active latent neurons only (gathered encoder columns, decoder rows and rotary pairs), so the
-products, the attention, the saved tensors and the gradients shrink with the active fraction.
+its active latent neurons only (gathered encoder columns, decoder rows and rotary pairs, the
+packed ones by whole bytes where the blocks start on byte boundaries), so the products, the
+attention, the saved latent tensors and the gradients shrink with the active fraction (the
+saved ``[B, T, D]`` tensors, ``current``, ``mlp`` and each head's ``a``, do not).
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ class LowrankResidualCtx(Ctx):
     x_codes: object  # (codes, scales) of current's rows, or None
     x_neuron: list  # None: recomputed from x_codes
     y_gate: list  # None: recomputed from attn_codes
-    attn: list
+    attn: list  # None: recomputed from attn_codes
     attn_mean: list
     attn_rstd: list
     attn_codes: list  # per head (codes, scales) of LN(a)'s rows, or None

@@ -124,7 +124,7 @@ def _project(x, q, w, pw):
         y, _, _ = straight_through_forward(x, w, pw, None)
     else:
         y = straight_through_codes(*q, w, pw)
-    return y.reshape(x.shape[:-1] + (w.shape[1],))
+    return y.reshape(x.shape[:-1] + ((w if pw is None else pw).shape[1],))
 
 
 def _relu(y, thr, xp):
@@ -155,8 +155,10 @@ def _apply_dropout(y_neuron, h, H, N, p, seed, row_offset, xp, latent=None):
 @dataclasses.dataclass(frozen=True)
 class HeadWeights:
     """Head ``h``'s weights on its active latent neurons (all N without a pattern): float32
-    encoder columns, their packed forms (or None), the rotary tables of the active pairs, the
-    decoder rows (a slice, or host int64 indices) and the latent indices (None: all)."""
+    encoder columns (None under a pattern where the packed form stands in for them: the
+    projections then never read them), their packed forms (or None), the rotary tables of the
+    active pairs, the decoder rows (a slice, or host int64 indices), the latent indices (None:
+    all) and their count."""
 
     encoder: object
     encoder_v: object
@@ -166,10 +168,7 @@ class HeadWeights:
     sin: object
     dec_rows: object
     latent: object
-
-    @property
-    def width(self) -> int:
-        return self.encoder.shape[1]
+    width: int
 
 
 def head_weights(h, encoder, encoder_v, packed, cos, sin, latent):
@@ -180,28 +179,40 @@ def head_weights(h, encoder, encoder_v, packed, cos, sin, latent):
     idx = None if latent is None else latent[h]
     if idx is None:
         return HeadWeights(encoder[h], encoder_v[h], pwx, pwy, cos, sin,
-                           slice(h * N, (h + 1) * N), None)
+                           slice(h * N, (h + 1) * N), None, N)
     xp = _backend.array_module(encoder)
     cols = _kernels.device_constant(idx, encoder)
     pairs = _kernels.device_constant(idx[0:2 * (len(idx) // 2):2] // 2, encoder)
+
+    def active(w, pw):  # the float32 columns only where no packed form stands in for them
+        return xp.ascontiguousarray(w[h][:, cols]) if pw is None or not len(idx) else None
+
     return HeadWeights(
-        xp.ascontiguousarray(encoder[h][:, cols]), xp.ascontiguousarray(encoder_v[h][:, cols]),
+        active(encoder, pwx), active(encoder_v, pwy),
         None if pwx is None or not len(idx) else gather_columns(pwx, idx),
         None if pwy is None or not len(idx) else gather_columns(pwy, idx),
         xp.ascontiguousarray(cos[:, pairs]), xp.ascontiguousarray(sin[:, pairs]),
-        h * N + idx, idx)
+        h * N + idx, idx, len(idx))
 
 
 def decoder_rows(decoder, pw, heads):
     """The decoder's rows of every head's active neurons, in head order: ``(float32, packed)``
-    (the very arrays without a pattern)."""
+    (the very arrays without a pattern; under one the float32 rows only without ``pw``)."""
     if all(w.latent is None for w in heads):
         return decoder, pw
     rows = np.concatenate([np.arange(w.dec_rows.start, w.dec_rows.stop) if w.latent is None
                            else w.dec_rows for w in heads])
+    return active_rows(decoder, pw, rows)
+
+
+def active_rows(decoder, pw, rows):
+    """``(float32, packed)`` rows ``rows`` (host int64, sorted) of the decoder: the packed rows
+    when ``pw`` is given (the float32 ones are then None: no product reads them), else the
+    float32 rows."""
+    if pw is not None and len(rows):
+        return None, gather_rows(pw, rows)
     xp = _backend.array_module(decoder)
-    return (xp.ascontiguousarray(decoder[_kernels.device_constant(rows, decoder)]),
-            None if pw is None or not len(rows) else gather_rows(pw, rows))
+    return xp.ascontiguousarray(decoder[_kernels.device_constant(rows, decoder)]), None
 
 
 def forward(impl, current, encoder, encoder_v, decoder, attention, lengths, plan, saved,
@@ -248,10 +259,7 @@ def forward(impl, current, encoder, encoder_v, decoder, attention, lengths, plan
         with stage("x projection"):
             x_neuron = _relu(_project(current, qx, w.encoder, w.pwx), thr, xp)
         with stage("attention"):
-            if attention == "causal_linear":
-                a = impl.causal_linear_forward(x_neuron, current, bounds, w.cos, w.sin)
-            else:
-                a = _softmax_attention(x_neuron, current, lengths, N)
+            a = attention_forward(impl, attention, x_neuron, current, bounds, lengths, w, N)
         with stage("norms"):
             a_hat, a_mean, a_rstd = normalize(a)
         with stage("y projection"):
@@ -364,6 +372,13 @@ def _decoder_recomputed(current, qx, heads, head_codes, offsets, decoder, pw, to
             r = slice(r0, r0 + RESIDUAL_ROW_BLOCK)
             out_rows[r] = straight_through_codes(codes[r], scale[r], decoder, pw)
     return mlp, scale
+
+
+def attention_forward(impl, attention, x_neuron, current, bounds, lengths, w, N):
+    """The pre-norm attention output ``a`` [B, T, D] of one head (``w`` its ``HeadWeights``)."""
+    if attention == "causal_linear":
+        return impl.causal_linear_forward(x_neuron, current, bounds, w.cos, w.sin)
+    return _softmax_attention(x_neuron, current, lengths, N)
 
 
 def _seg_args(x_neuron, current, lengths, N):

@@ -17,12 +17,15 @@ from ..layer_norm import normalize_backward
 from ..packed_matmul import straight_through_backward, straight_through_codes
 from ..quantize import ACT_FORMATS, weight_rows
 from ._layer import (_codes, _dropout_scale, _normalized, _relu, _rows, _unpack_codes,
-                     head_weights, row_codes, rope_tables, softmax_attention_backward, starts)
-from ._pattern import gather_rows
+                     active_rows, head_weights, row_codes, rope_tables,
+                     softmax_attention_backward, starts)
+from ._pattern import runs
 
 #: Tokens per step of the backward's loop over batch rows (whole rows; at least one): its
 #: temporaries are this many tokens' of one head, and each projection's products this tall.
 BACKWARD_ROW_TOKENS = 512
+#: Most runs of consecutive indices a scatter adds one slice at a time (beyond: one gather).
+MAX_RUNS = 64
 
 
 def _row_slice(q, rows, T):
@@ -41,11 +44,19 @@ def _project_backward(dy, x, q, w, pw, xp):
 
 
 def _scatter_add(grad, index, dw):
-    """``grad[index] += dw`` along axis 0 (a slice, or unique host int64 indices)."""
+    """``grad[index] += dw`` along axis 0 (a slice, or sorted unique host int64 indices: a
+    pattern's blocks, added a run of consecutive indices at a time)."""
     if isinstance(index, slice):
         grad[index] += dw
-    else:
+        return
+    spans = runs(index)
+    if len(spans) > MAX_RUNS:
         grad[_kernels.device_constant(index, grad)] += dw
+        return
+    done = 0
+    for start, stop in spans:
+        grad[start:stop] += dw[done:done + stop - start]
+        done += stop - start
 
 
 def backward(impl, dnext, ctx, grads):
@@ -79,10 +90,11 @@ def backward(impl, dnext, ctx, grads):
         with stage("decoder tail"):
             # The decoder's rows of this head (its active ones) as a packed weight of its own;
             # the per-token scale of Qa(y_neuron) over every feature is the forward's.
-            dec32 = ctx.decoder[w.dec_rows] if w.latent is None else ctx.decoder[
-                _kernels.device_constant(w.dec_rows, dnext)]
-            pw_h = (None if pw_dec is None else weight_rows(pw_dec, h * N, (h + 1) * N)
-                    if w.latent is None else gather_rows(pw_dec, w.dec_rows))
+            if w.latent is None:
+                dec32 = ctx.decoder[w.dec_rows]
+                pw_h = None if pw_dec is None else weight_rows(pw_dec, h * N, (h + 1) * N)
+            else:
+                dec32, pw_h = active_rows(ctx.decoder, pw_dec, w.dec_rows)
         head = _HeadInputs(ctx, h, w, current, qx, xp)
         a_rstd = ctx.attn_rstd[h].unpack()
         # A few batch rows at a time: the temporaries are a chunk's, not a head's.

@@ -138,7 +138,25 @@ def gather_columns(pw, cols):
                         scale)
 
 
+def runs(index):
+    """``[(start, stop), ...]``: the runs of consecutive values of sorted host int64 ``index``."""
+    if not len(index):
+        return []
+    cut = np.flatnonzero(np.diff(index) != 1) + 1
+    first = np.concatenate([[0], cut])
+    last = np.concatenate([cut, [len(index)]]) - 1
+    return list(zip(index[first].tolist(), (index[last] + 1).tolist()))
+
+
 def gather_rows(pw, rows):
-    """Input rows ``rows`` (host int64, sorted) of a ``PackedWeight``, re-packed from its codes
-    with the same scale (nothing is re-quantized)."""
+    """Input rows ``rows`` (host int64, sorted) of a ``PackedWeight`` with the same scale
+    (nothing is re-quantized): their bytes when every run of consecutive rows starts on a byte
+    and ends on one (or at K), as a pattern's blocks do, else re-packed from the codes."""
+    per, K = pw.codes_per_byte, pw.shape[0]
+    spans = runs(rows)
+    if all(s % per == 0 and (e % per == 0 or e == K) for s, e in spans):
+        data_cols = np.concatenate([np.arange(s // per, -(-e // per)) for s, e in spans])
+        xp = _backend.array_module(pw.data)
+        data = xp.ascontiguousarray(pw.data[:, _kernels.device_constant(data_cols, pw.data)])
+        return PackedWeight(pw.format, (len(rows), pw.shape[1]), data, pw.scale)
     return weight_rows_at(pw, _kernels.device_constant(rows, pw.data))

@@ -161,7 +161,8 @@ def straight_through_backward(dy, w32, pw, a, scale_a, grad_format=None):
 
     Args:
         dy: [M, N] float32 rows.
-        w32: [K, N] float32 master weight; pw: its ``PackedWeight`` or None.
+        w32: [K, N] float32 master weight (used when ``pw`` is None); pw: its ``PackedWeight``
+            or None.
         a: [M, K] int8 activation codes with ``scale_a`` [M] float32, or the float32 input rows
             with ``scale_a`` None.
         grad_format: None (exact float32 products) or "int8" (needs ``pw`` and codes ``a``).
@@ -171,12 +172,11 @@ def straight_through_backward(dy, w32, pw, a, scale_a, grad_format=None):
     """
     grad_format = _grad_format(grad_format, pw is not None and scale_a is not None)
     g = _float32_rows(dy)
-    K = w32.shape[0]
     if grad_format is not None:
         return _int8_gradients(g, pw, a, scale_a)
     if pw is not None:
         _, impl = _dispatch.resolve("packed_matmul", g, pw.data)
-        dx = impl.matmul_dx(g, pw.data, pw.scale, pw.format, K)
+        dx = impl.matmul_dx(g, pw.data, pw.scale, pw.format, pw.shape[0])
     else:
         _, impl = _dispatch.resolve("packed_matmul", g)
         dx = g @ w32.T

@@ -1,9 +1,10 @@
 """Launchers for ``cuda/packed_matmul.cu`` (backends cuda and cudasim).
 
 Siblings: ``__init__.py``, ``_numpy.py``, ``_numba/``; reference
-``reference/packed_matmul.py``. Few rows run the ``__dp4a`` GEMV kernel, more rows the tiled
-int8 tensor-core GEMM (``mma.sync`` m16n8k32; its cudasim twin implements the same fragment
-layout).
+``reference/packed_matmul.py``. Few rows run the ``__dp4a`` GEMV kernel (one warp per column,
+every row at once, on activation codes reordered by ``gemv_codes``), more rows the 128 x 128
+tiled int8 tensor-core GEMM (``cp.async`` double buffering, ``ldmatrix``, ``mma.sync``
+m16n8k32; their cudasim twins implement the same fragment layouts).
 """
 
 import numpy as np
@@ -14,16 +15,24 @@ SOURCE = "packed_matmul.cu"
 _FORMAT_ID = {"ternary": 0, "sign": 1, "int8": 2}
 NAME_EXPRESSIONS = tuple(
     [f"{kernel}<{fmt}>"
-     for kernel in ("gemv_int", "gemm_int", "matmul_float", "matmul_dx", "matmul_dx_int")
+     for kernel in ("gemv_codes", "gemv_int", "gemm_int", "matmul_float", "matmul_dx",
+                    "matmul_dx_int")
      for fmt in range(3)]
     + ["matmul_dw_codes", "matmul_dw_float"]
 )
-#: Rows at or below which the GEMV kernel runs instead of the tensor-core GEMM.
+#: Rows at or below which the GEMV kernel runs instead of the tensor-core GEMM (the GEMV keeps
+#: one accumulator per row in registers).
 GEMV_MAX_ROWS = 8
+#: Longest K of the GEMV: it sums -64 x each ternary / sign product, which fits in int32 while
+#: 127 K < 2^25; longer rows take the GEMM.
+GEMV_MAX_K = (1 << 25) // 127
 GEMV_WARPS = 8
-GEMM_WARPS = 4
-TILE_M = 32
-TILE_N = 32
+#: Packed bytes one GEMV lane loads at once; its reordered activation rows are padded to this
+#: many bytes' worth of codes.
+GEMV_CHUNK = 16
+GEMM_WARPS = 8
+TILE_M = 128
+TILE_N = 128
 WARP = 32
 THREADS = 256
 #: Grid-stride loops cover the rest; enough blocks to fill any current GPU.
@@ -31,9 +40,11 @@ MAX_BLOCKS = 4096
 #: Blocks of the float path's (row, column group) loop: one full wave of 256-thread blocks on an
 #: H200 (132 SMs x 8), so any number of rows is covered without a grid limit.
 FLOAT_BLOCKS = 1024
+_CODES_PER_BYTE = {"ternary": 4, "sign": 8, "int8": 1}
 #: The constants of the .cu file this launcher mirrors (tests/test_launch_constants.py).
 CU_CONSTANTS = {
-    "kGemvWarps": GEMV_WARPS, "kGemmWarps": GEMM_WARPS, "kTileM": TILE_M, "kTileN": TILE_N,
+    "kGemvWarps": GEMV_WARPS, "kGemvMaxRows": GEMV_MAX_ROWS, "kGemvMaxK": GEMV_MAX_K,
+    "kGemvChunk": GEMV_CHUNK, "kGemmWarps": GEMM_WARPS, "kTileM": TILE_M, "kTileN": TILE_N,
     "kWarpSize": WARP, "kTernary": _FORMAT_ID["ternary"], "kSign": _FORMAT_ID["sign"],
     "kInt8": _FORMAT_ID["int8"],
 }
@@ -66,19 +77,26 @@ def matmul_int(codes_x, scale_x, data, scale_w, format, K):
     if not y.size:
         return y
     sw, stride = _scale_args(scale_w)
-    args = (codes_x, scale_x, data.view(np.uint8), sw, y, np.int64(M), np.int64(N), np.int64(K),
-            np.int64(nbytes), stride)
     fmt = _FORMAT_ID[format]
-    if M <= GEMV_MAX_ROWS:
+    if M <= GEMV_MAX_ROWS and K <= GEMV_MAX_K:
+        chunk_codes = GEMV_CHUNK * _CODES_PER_BYTE[format]
+        Kp = -(-K // chunk_codes) * chunk_codes
+        codes = _backend.empty((M, Kp), np.int8, xp)
+        _kernel(f"gemv_codes<{fmt}>", codes_x)(
+            (max(1, min(MAX_BLOCKS, -(-codes.size // (GEMV_CHUNK * THREADS)))),), (THREADS,),
+            (codes_x, codes, np.int64(M), np.int64(K), np.int64(Kp)))
         _kernel(f"gemv_int<{fmt}>", codes_x)(
-            _kernels.grid(-(-N // GEMV_WARPS), M, what="packed_matmul"), (GEMV_WARPS * WARP,),
-            args)
+            _kernels.grid(-(-N // GEMV_WARPS), what="packed_matmul"), (GEMV_WARPS * WARP,),
+            (codes, scale_x, data.view(np.uint8), sw, y, np.int64(M), np.int64(N),
+             np.int64(Kp), np.int64(nbytes), stride))
     else:
         # The kernel strides over row tiles by gridDim.y: clamp it to CUDA's limit.
         row_tiles = min(-(-M // TILE_M), _kernels.MAX_GRID[1])
         _kernel(f"gemm_int<{fmt}>", codes_x)(
             _kernels.grid(-(-N // TILE_N), row_tiles, what="packed_matmul"),
-            (GEMM_WARPS * WARP,), args)
+            (GEMM_WARPS * WARP,),
+            (codes_x, scale_x, data.view(np.uint8), sw, y, np.int64(M), np.int64(N),
+             np.int64(K), np.int64(nbytes), stride))
     return y
 
 
