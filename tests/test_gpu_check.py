@@ -21,14 +21,19 @@ from pathlib import Path
 import pytest
 
 import lowbit
-from bench import gpu, gpu_kernels
-from bench._harness import Config
 from lowbit import _cudasim
+
+REPO = Path(__file__).resolve().parent.parent
+# bench/ is the checkout's (it is not installed): found at the end of the path, so that lowbit
+# stays the installed one.
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
+
+from bench import gpu, gpu_kernels  # noqa: E402
+from bench._harness import Config  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not _cudasim.available(),
                                 reason=f"cudasim unavailable: {_cudasim.unavailable_reason()}")
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _check(out: Path, *args: str, timeout: float = 150) -> tuple[int, dict, str]:
