@@ -6,7 +6,8 @@ answers ``get_function(name)(grid, block, args, shared_mem=0)`` like ``cupy.RawM
 ``lowbit/_kernels.py`` picks it for numpy arrays; the launchers in ``lowbit/ops/<op>/_cuda.py``
 are shared with the cuda backend. This module is the launcher (trampolines, ``SimModule``,
 ``SimKernel``); the g++ command and the content-hashed build cache are in its sibling
-``lowbit/_cudasim_build.py``. Tests: ``tests/test_cudasim.py`` with ``tests/cuda/*.cu``.
+``lowbit/_cudasim_build.py``. Tests: ``tests/test_cudasim.py`` and
+``tests/test_cudasim_runtime.py`` with ``tests/cuda/*.cu``.
 
 Trampolines: for every name expression an ``extern "C"`` trampoline
 ``lowbit_sim_entry_<i>(void** argv)`` is appended to the source; it calls the kernel with
@@ -66,7 +67,8 @@ __all__ = ["available", "unavailable_reason", "load_module", "SimModule", "SimKe
 DEFAULT_TIMEOUT_S = 60.0
 #: Debugging knob: with ``$LOWBIT_CUDASIM_JITTER_US=N`` every kernel thread sleeps a random
 #: 0..N microseconds when it is handed its CUDA thread and again around its exit, which makes
-#: the thread start-up and hand-off races of a loaded machine likely (tests/test_cudasim.py).
+#: the thread start-up and hand-off races of a loaded machine likely
+#: (tests/test_cudasim_runtime.py).
 JITTER_ENV = "LOWBIT_CUDASIM_JITTER_US"
 MAX_JITTER_US = 1_000_000
 #: cupy's default limit on dynamic shared memory without the opt-in attribute.

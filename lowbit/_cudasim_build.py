@@ -3,7 +3,7 @@
 ``lowbit/_cudasim.py`` (the launcher: trampolines, ``SimModule``, ``SimKernel``) hands this module
 the full source of a module, trampolines included; ``prepare`` fixes the compiler command and the
 cache key, ``load_or_build`` returns the loaded library. The emulation header is
-``cuda/cudasim.cuh``; tests: ``tests/test_cudasim.py`` (section "Build cache").
+``cuda/cudasim.cuh``; tests: ``tests/test_cudasim_runtime.py`` (section "Build cache").
 
 How a library is built:
 

@@ -259,7 +259,10 @@ def forward(impl, current, encoder, encoder_v, decoder, attention, lengths, plan
         with stage("x projection"):
             x_neuron = _relu(_project(current, qx, w.encoder, w.pwx), thr, xp)
         with stage("attention"):
-            a = attention_forward(impl, attention, x_neuron, current, bounds, lengths, w, N)
+            if attention == "causal_linear":
+                a = impl.causal_linear_forward(x_neuron, current, bounds, w.cos, w.sin)
+            else:
+                a = _softmax_attention(x_neuron, current, lengths, N)
         with stage("norms"):
             a_hat, a_mean, a_rstd = normalize(a)
         with stage("y projection"):
@@ -372,13 +375,6 @@ def _decoder_recomputed(current, qx, heads, head_codes, offsets, decoder, pw, to
             r = slice(r0, r0 + RESIDUAL_ROW_BLOCK)
             out_rows[r] = straight_through_codes(codes[r], scale[r], decoder, pw)
     return mlp, scale
-
-
-def attention_forward(impl, attention, x_neuron, current, bounds, lengths, w, N):
-    """The pre-norm attention output ``a`` [B, T, D] of one head (``w`` its ``HeadWeights``)."""
-    if attention == "causal_linear":
-        return impl.causal_linear_forward(x_neuron, current, bounds, w.cos, w.sin)
-    return _softmax_attention(x_neuron, current, lengths, N)
 
 
 def _seg_args(x_neuron, current, lengths, N):
