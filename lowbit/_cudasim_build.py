@@ -3,7 +3,8 @@
 ``lowbit/_cudasim.py`` (the launcher: trampolines, ``SimModule``, ``SimKernel``) hands this module
 the full source of a module, trampolines included; ``prepare`` fixes the compiler command and the
 cache key, ``load_or_build`` returns the loaded library. The emulation header is
-``cuda/cudasim.cuh``; tests: ``tests/test_cudasim_runtime.py`` (section "Build cache").
+``cuda/cudasim.cuh``, which includes its parts ``cuda/cudasim_*.cuh`` from its own folder; tests:
+``tests/test_cudasim_runtime.py`` (section "Build cache").
 
 How a library is built:
 
@@ -11,7 +12,8 @@ How a library is built:
   ``-std=c++20 -O1 -fPIC -shared -pthread`` plus ``-include cudasim.cuh -DLOWBIT_CUDASIM=1``,
   ``-fno-strict-aliasing`` (CUDA code type-puns through pointers), ``-ffp-contract=off``
   and hidden visibility. ``cudasim.cuh`` is looked up in ``include_dirs`` first, then in the
-  ``cuda/`` folder of a checkout or the installed ``lowbit._cuda_src``.
+  ``cuda/`` folder of a checkout or the installed ``lowbit._cuda_src``; its parts are the
+  ``cudasim_*.cuh`` beside it.
 
 Build cache: libraries live in a private per-user folder, ``$LOWBIT_CACHE_DIR/cudasim``, else
 ``$XDG_CACHE_HOME/lowbit/cudasim``, else ``~/.cache/lowbit/cudasim``. The folder is created
@@ -19,8 +21,9 @@ with mode 0700 and checked before every use: if it is a symlink, not owned by th
 or writable by group or others, it is not used (a ``RuntimeWarning`` is issued and a fresh
 private temporary folder serves this process), so nobody else can plant a library there. A
 library's name is the sha256 of everything that can change it: the full source with the
-trampolines, every header under ``include_dirs``, the emulation header, the compiler command and
-its ``--version``. The builder compiles in a temporary folder inside the cache, loads its own
+trampolines, every header under ``include_dirs``, the emulation header and every part beside it
+(whether or not its folder is among ``include_dirs``), the compiler command and its
+``--version``. The builder compiles in a temporary folder inside the cache, loads its own
 copy, then moves it into place with ``os.replace`` and records the library's own sha256 in
 ``<key>.sha256`` (also written to a temporary name and replaced), so concurrent builders, in
 threads or processes, never see partial files and all succeed. A cached library is loaded only
@@ -44,6 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HEADER_NAME = "cudasim.cuh"
+#: The parts the header includes by quoted name from its own folder.
+HEADER_PARTS = "cudasim_*.cuh"
 CXX_FLAGS = (
     "-std=c++20",
     "-O1",
@@ -174,6 +179,15 @@ def _find_header(include_dirs: Sequence[str]) -> Path:
     )
 
 
+def _hash_header(h, header: Path) -> None:
+    h.update(header.read_bytes())
+    # The parts live beside the header, so they enter the key even when no include dir holds
+    # them (a module of test kernels outside cuda/ builds with the packaged header).
+    for part in sorted(header.parent.glob(HEADER_PARTS)):
+        h.update(f"\0part {part.name}\0".encode())
+        h.update(part.read_bytes())
+
+
 def _hash_include_dirs(h, include_dirs: Sequence[str]) -> None:
     for d in include_dirs:
         root = Path(d)
@@ -262,7 +276,7 @@ def prepare(source: str, include_dirs: Sequence[str]) -> Build:
     for part in (source, "\0".join(flags), "\0".join(cxx), _compiler_version(cxx)):
         h.update(part.encode())
         h.update(b"\0\0")
-    h.update(header.read_bytes())
+    _hash_header(h, header)
     _hash_include_dirs(h, include_dirs)
     return Build(h.hexdigest(), tuple(cxx), tuple(flags), source)
 

@@ -1,5 +1,6 @@
-"""Tests of cudasim: the emulation header ``cuda/cudasim.cuh`` and its loader
-``lowbit/_cudasim.py``, with the test kernels of ``tests/cuda/sim_kernels.cu``.
+"""Tests of cudasim: the emulation header ``cuda/cudasim.cuh`` (with the parts it includes,
+``cuda/cudasim_*.cuh``) and its loader ``lowbit/_cudasim.py``, with the test kernels of
+``tests/cuda/sim_kernels.cu``.
 
 One module holds every test kernel so that the suite compiles it once (the default cache
 keeps it between runs). The failure paths, thread start-up and build cache are
@@ -380,9 +381,9 @@ def test_early_return_then_barrier(mod, rng):
 
 
 def _header_intrinsics() -> set[str]:
-    """Names the Device API part of cuda/cudasim.cuh defines for kernels (not its internals)."""
-    text = (ROOT / "cuda" / "cudasim.cuh").read_text()
-    api = text[text.index("// Device API"):]
+    """Names the Device API part of the emulation header, cuda/cudasim_device.cuh, defines for
+    kernels (not its internals)."""
+    api = (ROOT / "cuda" / "cudasim_device.cuh").read_text()
     api = re.sub(r"namespace lowbit_sim \{.*?\}  // namespace lowbit_sim", "", api, flags=re.S)
     names = set(re.findall(r"^\s*(?:\[\[noreturn\]\]\s+)?inline\s+[\w:<>\s*&]*?\b(\w+)\s*\(",
                            api, flags=re.M))
@@ -395,9 +396,9 @@ def _header_intrinsics() -> set[str]:
 def test_every_intrinsic_of_the_header_is_used():
     """The emulation header carries what kernels use and nothing more: every intrinsic it
     defines is called by a kernel (cuda/*.cu and the headers beside them, but the emulation
-    header itself) or a test kernel here."""
+    header's own cudasim*.cuh) or a test kernel here."""
     sources = [*(ROOT / "cuda").glob("*.cu"),
-               *(h for h in (ROOT / "cuda").glob("*.cuh") if h.name != "cudasim.cuh"),
+               *(h for h in (ROOT / "cuda").glob("*.cuh") if not h.name.startswith("cudasim")),
                *(TESTS / "cuda").glob("*.cu")]
     used = set(re.findall(r"\w+", "\n".join(s.read_text() for s in sources)))
     defined = _header_intrinsics()

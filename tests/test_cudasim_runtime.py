@@ -8,6 +8,8 @@ modules (private, tamper-checked, safe under concurrent builds).
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -18,9 +20,9 @@ import uuid
 import numpy as np
 import pytest
 
-from lowbit import _cudasim
+from lowbit import _cudasim, _cudasim_build
 
-from test_cudasim import BOUNDED_S, INCLUDE_DIRS, NAME_EXPRESSIONS, ROOT, SOURCE
+from test_cudasim import BOUNDED_S, INCLUDE_DIRS, NAME_EXPRESSIONS, ROOT, SOURCE, TESTS
 from test_cudasim import test_block_reduce_shuffle_and_shared as block_reduce_check
 
 pytestmark = pytest.mark.skipif(not _cudasim.available(), reason=_cudasim.unavailable_reason())
@@ -232,6 +234,32 @@ def test_cache_reuses_library_rejects_tampering_and_is_private(tmp_path, monkeyp
     assert _cudasim.build_count == builds + 2, "a tampered library must be rebuilt"
     assert lib.read_bytes() != bytes(data)
     _run_tiny(rebuilt)
+
+
+def test_cache_key_covers_the_header_and_each_of_its_parts(tmp_path, monkeypatch):
+    """An edit to the emulation header or to any part it includes changes the cache key, also
+    when the header's folder is not among the include dirs (test kernels outside cuda/)."""
+    copy = tmp_path / "cuda"
+    copy.mkdir()
+    for header in (ROOT / "cuda").glob("cudasim*.cuh"):
+        shutil.copy(header, copy)
+    entry = copy / _cudasim_build.HEADER_NAME
+    parts = sorted(copy.glob(_cudasim_build.HEADER_PARTS))
+    included = re.findall(r'^#include "([^"]+)"', entry.read_text(), flags=re.M)
+    assert sorted(included) == [p.name for p in parts] and parts, "the key must see every part"
+    monkeypatch.setattr(_cudasim_build, "_find_header", lambda include_dirs: entry)
+    include_dirs = [str(TESTS / "cuda")]
+    base = _cudasim_build.prepare(SOURCE, include_dirs)
+    assert ("-include", str(entry)) in zip(base.flags, base.flags[1:])
+    keys = {base.key}
+    edited = (entry, *parts)
+    for path in edited:
+        original = path.read_bytes()
+        path.write_bytes(original + b"// edited\n")
+        keys.add(_cudasim_build.prepare(SOURCE, include_dirs).key)
+        path.write_bytes(original)
+    assert len(keys) == 1 + len(edited)
+    assert _cudasim_build.prepare(SOURCE, include_dirs).key == base.key
 
 
 def test_insecure_cache_dir_is_not_used(tmp_path, monkeypatch):
