@@ -46,6 +46,23 @@ def test_quantize_weight_matches_reference(backend, rng, format, dtype):
         np.testing.assert_array_equal(to_numpy(backend.to(w)), keep)
 
 
+@pytest.fixture(scope="module")
+def across_blocks():
+    """A weight wider than the numba kernels' blocks of 1024 columns (K = 37: int8 rows cross
+    their 32-byte tiles, packed rows end in a part word; ``WEIGHT_SHAPES`` has (4097, 3) for
+    the packed tiles) and its reference ``(data, scale)`` per format."""
+    w = _weights(np.random.default_rng(11), (37, 1029), np.float32)
+    return w, {format: quantize_weight_ref(w, format) for format in FORMATS}
+
+
+def test_quantize_weight_across_blocks(backend, across_blocks):
+    w, refs = across_blocks
+    for format, (data, scale) in refs.items():
+        pw = lowbit.quantize_weight(backend.to(w), format)
+        assert_equal(f"data {format}", data, pw.data)
+        assert_equal(f"scale {format}", scale, pw.scale)
+
+
 @pytest.mark.parametrize("format", FORMATS)
 @pytest.mark.parametrize("k0,k1", [(0, 8), (8, 37), (3, 11), (5, 6), (0, 37), (36, 37)],
                          ids=["aligned", "aligned-to-end", "unaligned", "one", "all", "last"])

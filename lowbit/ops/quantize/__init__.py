@@ -26,7 +26,7 @@ import dataclasses
 import numpy as np
 
 from ... import _backend, _dispatch, _kernels, _validate
-from ..pack_bits import pack_codes
+from ..pack_bits import pack_codes, packed_length
 
 #: Weight formats and the bits each stored code takes.
 WEIGHT_FORMATS = {"ternary": 2, "sign": 1, "int8": 8}
@@ -180,9 +180,11 @@ def quantize_weight(w, format) -> PackedWeight:
     _, impl = _dispatch.resolve("quantize", w)
     stored, scale = impl.weight_codes(w, format)
     _finite_scale(scale, w, "w")
-    if format != "int8":
+    bits = WEIGHT_FORMATS[format]
+    if format != "int8" and stored.shape[-1] != packed_length(w.shape[0], bits):
+        # A backend may pack as it quantizes (numba does); one code (K = 1) packs to itself.
         # The codes come from the kernel, in range by construction: no range check to read.
-        stored = pack_codes(stored, WEIGHT_FORMATS[format], axis=-1)
+        stored = pack_codes(stored, bits, axis=-1)
     xp = _backend.array_module(w)
     return PackedWeight(format, tuple(w.shape), stored, xp.asarray(scale, dtype=np.float32))
 

@@ -1,4 +1,4 @@
-"""Numba quantization kernels: per-column weight codes, per-row activation codes (parallel).
+"""Numba quantization kernels: per-column weight codes, per-row activation codes (serial).
 
 Siblings: ``__init__.py``, ``_numpy.py``, ``_cuda.py``; reference ``reference/quantize.py``.
 Quotients are formed in the input's dtype and rounded half to even (``np.rint``), as in the
@@ -15,50 +15,109 @@ from . import EPS, WEIGHT_FORMATS, WEIGHT_QMAX
 #: Largest int8 weight code (the kernels read it as a compile-time constant).
 _INT8_QMAX = WEIGHT_QMAX["int8"]
 _TERNARY, _SIGN, _INT8 = 0, 1, 2
-_FORMAT_ID = {"ternary": _TERNARY, "sign": _SIGN, "int8": _INT8}
+
+# The weight kernels are serial, like the others here: quantize_layer_weights runs between a
+# step's BLAS calls, and with another process on one of the 2 cores every parallel region waited
+# for a time slice (the BDH layer's weights, best of 10: 2.4 ms serial, 25 ms with these kernels
+# parallel over column blocks; on idle cores the kernels took 1.25 ms serial, 0.7 ms parallel).
+
+#: Columns a kernel walks at once: it reads rows of this many contiguous values (row-major, the
+#: weight's own layout; walking columns, stride N, cost 4-10x). 1024 was 5-10% faster than 256
+#: or 512 on [4096, 4096] and the BDH layer's weights (measured).
+_BLOCK = 1024
+#: Packed bytes a row of ``_weight_codes``' tile holds (32 KiB of words at 1024 columns: in L1):
+#: the transposed codes gather there and go out in runs of a row (stored straight into [N, K]
+#: rows a power of two apart, they aliased in L1 and thrashed it: 4x slower at K = 4096).
+_TILE = 32
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(cache=True)
 def _column_abs_sums(w, out):
+    """out[n] = sum over k of |w[k, n]| in float64, summed in order of k (as ever: the ternary
+    scale depends on that order), walked row by row in blocks of columns."""
     K, N = w.shape
-    for n in numba.prange(N):
-        total = 0.0
+    for n0 in range(0, N, _BLOCK):
+        n1 = min(n0 + _BLOCK, N)
+        acc = out[n0:n1]
+        acc[:] = 0.0
         for k in range(K):
-            total += abs(np.float64(w[k, n]))
-        out[n] = total
+            row = w[k, n0:n1]
+            for i in range(n1 - n0):
+                acc[i] += abs(np.float64(row[i]))
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(cache=True)
 def _column_scales(w, out):
-    """out[n] = max(max_k |w[k, n]|, eps) / qmax in w's dtype (qmax 127)."""
+    """out[n] = max(max_k |w[k, n]|, eps) / qmax in w's dtype (qmax 127), by blocks of columns."""
     K, N = w.shape
-    zero = w.dtype.type(0)
     eps = w.dtype.type(EPS)
     top = w.dtype.type(_INT8_QMAX)
-    for n in numba.prange(N):
-        m = zero
+    for n0 in range(0, N, _BLOCK):
+        n1 = min(n0 + _BLOCK, N)
+        m = out[n0:n1]
+        m[:] = 0
         for k in range(K):
-            a = abs(w[k, n])
-            if a > m or a != a:  # a NaN must reach the scale: the caller's finiteness check
-                m = a
-        out[n] = (m if m > eps or m != m else eps) / top
+            row = w[k, n0:n1]
+            for i in range(n1 - n0):
+                a = abs(row[i])
+                if a > m[i] or a != a:  # a NaN must reach the scale: the caller's finiteness check
+                    m[i] = a
+        for i in range(n1 - n0):
+            m[i] = (m[i] if m[i] > eps or m[i] != m[i] else eps) / top
 
 
-@numba.njit(parallel=True, cache=True)
+# error_model="numpy": no ZeroDivisionError check in the division (its branch kept the loops
+# scalar); every scale is at least EPS.
+@numba.njit(cache=True, error_model="numpy")
 def _weight_codes(w, fmt, scale, out):
-    """out[n, k]: stored code of w[k, n]; ``scale`` has one entry (per tensor) or N."""
+    """The stored codes of w [K, N], transposed and packed along K, LSB-first, into ``out``
+    [N, ceil(K * bits / 8)] uint8 (ternary ``code + 1`` in 2 bits, sign ``w >= 0`` in 1, int8
+    codes as their two's complement byte); ``scale`` [N] in w's dtype (ternary: N copies).
+
+    Row by row over a block of columns, the codes of a 64-bit word (``64 / bits`` rows) gather
+    in one uint64 a column; a tile of words goes out by shifts (so the bytes do not depend on
+    the byte order), in runs along each output row. Ternary's clip(rint(q), -1, 1) is +1
+    exactly when q > 0.5 and -1 when q < -0.5 (rint takes ties to even, to 0), so the quotient
+    is compared instead of rounded. The bytes are those of packing the [N, K] stored codes.
+    """
     K, N = w.shape
-    stride = 1 if scale.shape[0] > 1 else 0
-    for n in numba.prange(N):
-        s = scale[n * stride]
-        for k in range(K):
-            v = w[k, n]
-            if fmt == _SIGN:
-                out[n, k] = 1 if v >= 0 else 0
-            elif fmt == _TERNARY:
-                out[n, k] = min(max(np.rint(v / s), -1), 1) + 1
-            else:
-                out[n, k] = min(max(np.rint(v / s), -_INT8_QMAX), _INT8_QMAX)
+    bits = 8 if fmt == _INT8 else (2 if fmt == _TERNARY else 1)
+    per = 64 // bits  # codes a word
+    half = w.dtype.type(0.5)
+    top = w.dtype.type(_INT8_QMAX)
+    width = min(N, _BLOCK)
+    acc = np.empty(width, np.uint64)
+    words = np.empty((width, _TILE // 8), np.uint64)
+    nbytes = out.shape[1]
+    for n0 in range(0, N, _BLOCK):
+        m = min(N - n0, _BLOCK)
+        s = scale[n0:n0 + m]
+        for t0 in range(0, nbytes, _TILE):
+            for j in range(-(-min(_TILE, nbytes - t0) // 8)):
+                k0 = (t0 // 8 + j) * per
+                acc[:m] = 0
+                for k in range(k0, min(k0 + per, K)):
+                    row = w[k, n0:n0 + m]
+                    shift = np.uint64((k - k0) * bits)
+                    # one loop a format, each vectorized (a branch inside kept them scalar)
+                    if fmt == _INT8:
+                        for i in range(m):
+                            c = min(max(np.rint(row[i] / s[i]), -top), top)
+                            acc[i] |= np.uint64(np.int64(c) & 0xFF) << shift
+                    elif fmt == _TERNARY:
+                        for i in range(m):
+                            q = row[i] / s[i]
+                            c = 1 + np.int64(q > half) - np.int64(q < -half)
+                            acc[i] |= np.uint64(c) << shift
+                    else:
+                        for i in range(m):
+                            acc[i] |= np.uint64(row[i] >= 0) << shift
+                for i in range(m):
+                    words[i, j] = acc[i]
+            for i in range(m):
+                dst = out[n0 + i]
+                for b in range(min(_TILE, nbytes - t0)):
+                    dst[t0 + b] = (words[i, b // 8] >> np.uint64(8 * (b % 8))) & 0xFF
 
 
 # Serial, byte by byte: 0.65 ms for 4096 x 256 ternary codes against 1.5 ms for the parallel
@@ -113,19 +172,21 @@ def _quantize_rows(x, qmax, codes, scale):
 
 
 def weight_codes(w, format):
-    """w: [K, N] float -> (stored [N, K] uint8 (int8 for "int8"), scale in w's dtype)."""
+    """w: [K, N] float -> (data, scale in w's dtype): data [N, K] int8 codes ("int8") or, for
+    ternary and sign, the codes already packed along K, [N, ceil(K / per)] uint8."""
     K, N = w.shape
     if format == "int8":
         scale = _backend.empty((N,), w.dtype)
         _column_scales(w, scale)
         stored = _backend.empty((N, K), np.int8)
-        _weight_codes(w, _INT8, scale, stored)
+        _weight_codes(w, _INT8, scale, stored.view(np.uint8))
         return stored, scale
     sums = np.empty(N, dtype=np.float64)
     _column_abs_sums(w, sums)
     scale = np.array(max(sums.sum() / w.size, EPS), dtype=w.dtype)
-    stored = _backend.empty((N, K), np.uint8)
-    _weight_codes(w, _FORMAT_ID[format], scale.reshape(1), stored)
+    stored = _backend.empty((N, -(-K // (8 // WEIGHT_FORMATS[format]))), np.uint8)
+    fmt = _TERNARY if format == "ternary" else _SIGN
+    _weight_codes(w, fmt, np.full(N, scale, w.dtype), stored)
     return stored, scale
 
 
