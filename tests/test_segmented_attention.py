@@ -103,7 +103,8 @@ def test_matches_reference_large(backend, rng, lengths, heads, kv_heads, dim, di
 
 
 # One past each block edge of the numba kernels (forward query blocks of 256 rows and key chunks
-# of 512, backward blocks of 256 keys by 256 queries), under one block, and a one-token segment.
+# of 512, backward blocks of 256 keys by 256 queries, 64-lane panels), under one block, and a
+# one-token segment.
 BLOCK_EDGES = [1, 129, 257, 513, 130]
 
 
@@ -112,6 +113,19 @@ def test_matches_reference_at_block_edges(backend, rng, causal):
     if backend.name == "cudasim":
         pytest.skip("thousands of tokens are too slow for the emulator; small shapes cover it")
     _check_against_reference(backend, rng, BLOCK_EDGES, 2, 1, 64, 32, causal, np.float32)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_numba_blas_path_matches_reference(backend, rng, monkeypatch, causal):
+    # float32 runs the AVX-512 tiles where the CPU has them: force the BLAS kernels that run
+    # without them, so that both float32 paths are checked on every machine (block edges, a
+    # head group, and D, Dv neither a multiple of 64 nor equal).
+    if backend.name != "numba":
+        pytest.skip("the numba backend's kernel choice")
+    from lowbit.ops.segmented_attention import _numba
+
+    monkeypatch.setattr(_numba, "USE_FMA", False)
+    _check_against_reference(backend, rng, BLOCK_EDGES, 4, 2, 72, 40, causal, np.float32)
 
 
 def test_causal_hides_large_later_scores(backend, rng):

@@ -1,20 +1,30 @@
-"""Numba segmented attention: flash-style blocks with transposed scores and BLAS products.
+"""Numba segmented attention: flash-style blocks, transposed scores, register-tile products.
 
 Every score block is computed transposed, keys by queries (``S^T = K Q^T``): the softmax then
 runs along each query's column, so the max, the exp and the row sums are elementwise over the
-query lanes of one key row and vectorize without reassociating any sum (no fastmath). The
-products go through ``np.dot`` to the BLAS SciPy ships, on blocks large enough to keep it near
-its peak.
+query lanes of one key row and vectorize without reassociating any sum.
+
+Products: float32 on a CPU with AVX-512 (``USE_FMA``) runs the register tiles of
+``lowbit/ops/packed_matmul/_numba/_fma.py`` (6 x 64 accumulators, fused multiply-adds in a fixed
+order); float64, or a CPU without AVX-512, ``np.dot`` to the BLAS SciPy ships, whose OpenBLAS
+runs its AVX2 kernels on AMD Zen: on one core of the 2-core EPYC (Zen 5), T = 8192 in 6 segments
+of 512-2048 tokens, H = 8, D = 64, the tiles take 143-149 ms for the forward against 280-290 ms
+through BLAS, 309-325 against 642-685 ms for the backward. The tiles read their right operand
+as panels of 64 columns: the operands read that way are packed so, zero-padded (``_panels``:
+keys and values per head; per item the scaled queries and ``dout``, as [D, 64] panels of 64
+query lanes and as 64-column panels), and query rows are padded to whole panels; padded lanes
+(zero q, dout, delta and lse) only add exact zeros.
 
 Forward: one work item per (head, query block of ``BLOCK_Q`` rows, ``BLOCK_Q_CAUSAL`` when
 causal); it walks its segment's keys ``CHUNK_K`` at a time with an online softmax (rescaling
-only once per chunk). Backward: one work item per (head, segment); it walks key blocks of
-``BACKWARD_K`` rows and, inside each, query blocks of ``BACKWARD_Q`` rows, recomputes the
-probabilities from the saved logsumexp once per block and feeds them to both products that need
-them (``dv`` and, through ``ds``, ``dk`` and ``dq``). ``dk``/``dv`` of a key block and ``dq`` of
-the segment are owned by the item, so there are no atomics; grouped heads write per-query-head
-``dk``/``dv`` partials that are summed over each group in a fixed order, so results are bitwise
-deterministic whatever the thread count.
+only once per chunk). Backward: one work item per (head, segment), packing its queries and
+``dout`` and computing ``delta = rowsum(dout * out)`` once; it walks key blocks of
+``BACKWARD_K`` rows and, inside each, query blocks of ``BACKWARD_Q`` rows: the scores and dP,
+then one sweep to the probabilities (recomputed from the saved logsumexp) and dS, feeding the
+products of ``dv``, ``dk`` and ``dq`` (accumulated in place by the tiles). ``dk``/``dv`` of a key
+block and ``dq`` of the segment are owned by the item, so there are no atomics; grouped heads
+write per-query-head ``dk``/``dv`` partials that are summed over each group in a fixed order, so
+results are bitwise deterministic whatever the thread count.
 
 Work items are sorted by cost and dealt to one slot per thread (``_schedule``): segments of
 very different lengths would otherwise leave threads idle under Numba's static chunking. The
@@ -31,11 +41,20 @@ from numba import types
 from numba.extending import overload
 
 from ... import _backend
+from ..packed_matmul._numba import _fma
+
+# The AVX-512 kernels call the tiles of ``_fma.py``, which Numba's cache does not key on.
+_backend.numba_cache_guard(__file__, _fma.__file__)
+
+#: Whether float32 runs the AVX-512 register tiles of ``_fma.py`` (else BLAS, as float64 does).
+USE_FMA = _fma.AVAILABLE
 
 #: Forward query rows per item and keys per softmax step: a [CHUNK_K, BLOCK_Q] score block
 #: (512 KiB in float32) stays in a core's L2 between its two products. Backward key rows per
-#: item step and query rows per block. Chosen by timing on 2 cores of an AMD EPYC (Zen 5, whose
-#: OpenBLAS runs its Haswell kernels): smaller blocks lose 5-10% to the BLAS calls' overhead.
+#: item step and query rows per block (query rows here and below: multiples of the tiles' 64
+#: lanes, ``BLOCK_Q_CAUSAL`` at most ``BLOCK_Q``). Chosen by timing on the EPYC: through BLAS,
+#: smaller blocks lose 5-10% to the calls' overhead; the tiles run within 3% of these at 128 to
+#: 512 rows or keys (forward and backward, full and causal).
 BLOCK_Q = 256
 CHUNK_K = 512
 BACKWARD_K = 256
@@ -91,8 +110,11 @@ def _exp_impl(x):
 
 # The lane loops below run over every lane and mask with a select: LLVM vectorizes a loop that
 # starts at 0 but not one whose start is a runtime value (measured: 0.3 against 7 ns per
-# element). No fastmath: vectorizing across independent lanes reassociates nothing, so results
-# are the same on every CPU.
+# element). Vectorizing across independent lanes reassociates nothing; the exps may fuse their
+# multiply-adds (``contract``, the only fast-math flag: one rounding instead of two, nothing
+# reordered), which shortens the polynomial's dependency chain: 0.65 against 0.9 ns per element
+# of the backward's sweep on the EPYC, where the chain's latency bounds the loop.
+_CONTRACT = {"contract"}
 
 @numba.njit(cache=True)
 def _first_visible(c, diag, causal, rows):
@@ -103,7 +125,7 @@ def _first_visible(c, diag, causal, rows):
     return min(rows, max(0, c - diag))
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, fastmath=_CONTRACT)
 def _exp_columns(block, shift, den, diag, causal):
     """Probabilities of a transposed score block [keys, queries], in place.
 
@@ -121,6 +143,23 @@ def _exp_columns(block, shift, den, diag, causal):
             e = e if j >= lo else zero
             block[c, j] = e
             den[j] += e
+
+
+@numba.njit(cache=True, fastmath=_CONTRACT)
+def _probabilities_and_dscores(p, ds, shift, delta, diag, causal):
+    """The backward's elementwise step over transposed [keys, queries] blocks, in place, in one
+    sweep: ``p`` from scores to probabilities ``exp(p - shift)`` (0 where hidden), ``ds`` from
+    ``dP`` to ``dS = p * (dP - delta)``."""
+    rows = p.shape[1]
+    low = p.dtype.type(_EXP_MIN)
+    zero = p.dtype.type(0)
+    for c in range(p.shape[0]):
+        lo = _first_visible(c, diag, causal, rows)
+        for j in range(rows):
+            e = _exp(p[c, j] - shift[j] if j >= lo else low)
+            e = e if j >= lo else zero
+            p[c, j] = e
+            ds[c, j] = e * (ds[c, j] - delta[j])
 
 
 @numba.njit(cache=True)
@@ -194,7 +233,6 @@ def _backward(dout, q, kt, vt, out, lse, items, order, slots, scale, causal, gro
         probs = np.empty(BACKWARD_K * BACKWARD_Q, q.dtype)
         dscores = np.empty(BACKWARD_K * BACKWARD_Q, q.dtype)
         products = np.empty(max(BACKWARD_K, BACKWARD_Q) * max(dim, dv), q.dtype)
-        sums = np.empty(BACKWARD_Q, q.dtype)  # the column sums _exp_columns keeps, unused
         for pos in range(slots[slot], slots[slot + 1]):
             it = order[pos]
             h, s0, s1 = items[it, 0], items[it, 1], items[it, 2]
@@ -221,16 +259,13 @@ def _backward(dout, q, kt, vt, out, lse, items, order, slots, scale, causal, gro
                 for r0 in range(k0 - s0 if causal else 0, length, BACKWARD_Q):
                     r1 = min(r0 + BACKWARD_Q, length)
                     rows = r1 - r0
-                    # Scores [keys, queries], then probabilities in place.
+                    # Scores and dP [keys, queries], then probabilities and dS in place.
                     p = _matrix(probs, cols, rows)
-                    np.dot(kb, qs[r0:r1].T, p)
-                    _exp_columns(p, lse[h, s0 + r0:s0 + r1], sums, s0 + r0 - k0, causal)
-                    # dP [keys, queries], then dS in place.
                     ds = _matrix(dscores, cols, rows)
+                    np.dot(kb, qs[r0:r1].T, p)
                     np.dot(vb, do[r0:r1].T, ds)
-                    for c in range(cols):
-                        for j in range(rows):
-                            ds[c, j] = p[c, j] * (ds[c, j] - delta[r0 + j])
+                    _probabilities_and_dscores(p, ds, lse[h, s0 + r0:s0 + r1], delta[r0:r1],
+                                               s0 + r0 - k0, causal)
                     _add_product(dv_acc, p, do[r0:r1], products)
                     _add_product(dk_acc, ds, qs[r0:r1], products)
                     _add_product(dq_acc[r0:r1], ds.T, kb, products)
@@ -247,6 +282,142 @@ def _add_product(acc, a, b, scratch):
     product = _matrix(scratch, a.shape[0], b.shape[1])
     np.dot(a, b, product)
     acc += product
+
+
+# The AVX-512 path (``USE_FMA``): the packings and products of the tiles, and the two kernels.
+
+@numba.njit(cache=True)
+def _pack_rows(x, s0, rows, h, scale, out):
+    """out[p, r, j] = x[s0 + r, h, 64 p + j] * scale (zero past ``rows`` or x's last column)."""
+    out[...] = 0
+    dim = x.shape[2]
+    for r in range(rows):
+        for d in range(dim):
+            out[d // _fma.PANEL, r, d % _fma.PANEL] = x[s0 + r, h, d] * scale
+
+
+@numba.njit(cache=True)
+def _pack_columns(x, s0, rows, h, scale, out):
+    """out[r // 64, d, r % 64] = x[s0 + r, h, d] * scale: rows as the lanes of [D, 64] panels."""
+    out[...] = 0
+    for r in range(rows):
+        for d in range(x.shape[2]):
+            out[r // _fma.PANEL, d, r % _fma.PANEL] = x[s0 + r, h, d] * scale
+
+
+@numba.njit(cache=True)
+def _scores(a, rows, panels, p0, block):
+    """block [rows, 64 n] = a[:rows] @ panels[p0:p0 + n]: a [rows, D] times [D, 64] panels."""
+    for p in range(block.shape[1] // _fma.PANEL):
+        _fma.panel_block(a, rows, a.shape[1], 1, 0, panels[p0 + p], a.shape[1], block,
+                          p * _fma.PANEL, False)
+
+
+@numba.njit(cache=True)
+def _accumulate(acc, a, rows, si, sr, count, panels, r0):
+    """acc[:rows] += A[:rows, :count] @ panels[p, r0:r0 + count] for each 64-column panel p of
+    acc, A read from ``a`` through the strides ``si``, ``sr`` as in ``_fma.fma_tile``."""
+    for p in range(panels.shape[0]):
+        _fma.panel_block(a, rows, si, sr, 0, panels[p, r0:r0 + count], count, acc,
+                          p * _fma.PANEL, True)
+
+
+@numba.njit(parallel=True, cache=True)
+def _forward_fma(q, kt, vp, items, order, slots, scale, causal, group, out, lse):
+    dim, dv, lanes = q.shape[2], out.shape[2], _fma.PANEL
+    for slot in numba.prange(slots.size - 1):
+        scores = np.empty(CHUNK_K * BLOCK_Q, np.float32)
+        qt = np.empty((BLOCK_Q // lanes, dim, lanes), np.float32)
+        acc = np.empty((BLOCK_Q, vp.shape[1] * lanes), np.float32)
+        for pos in range(slots[slot], slots[slot + 1]):
+            it = order[pos]
+            h, q0, q1, s0, s1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3], items[it, 4]
+            g = h // group
+            rows = q1 - q0
+            wide = -(-rows // lanes) * lanes
+            _pack_columns(q, q0, rows, h, scale, qt)
+            m = np.full(wide, -np.inf, np.float32)
+            alpha = np.empty(wide, np.float32)
+            den = np.zeros(wide, np.float32)
+            acc[:wide] = 0
+            stop = q1 if causal else s1
+            for k0 in range(s0, stop, CHUNK_K):
+                k1 = min(k0 + CHUNK_K, stop)
+                block = _matrix(scores, k1 - k0, wide)
+                _scores(kt[g, k0:k1], k1 - k0, qt, 0, block)
+                alpha[:] = m
+                _column_max(block, m, q0 - k0, causal)
+                for r in range(wide):
+                    alpha[r] = np.exp(alpha[r] - m[r])
+                    den[r] *= alpha[r]
+                    acc[r] *= alpha[r]
+                _exp_columns(block, m, den, q0 - k0, causal)
+                # out's rows are the query lanes: A = block^T, read down its columns.
+                _accumulate(acc, block, wide, 1, wide, k1 - k0, vp[g], k0)
+            for r in range(rows):
+                inv = 1 / den[r]
+                for d in range(dv):
+                    out[q0 + r, h, d] = acc[r, d] * inv
+                lse[h, q0 + r] = m[r] + np.log(den[r])
+
+
+@numba.njit(parallel=True, cache=True)
+def _backward_fma(dout, q, kt, vt, kp, out, lse, items, order, slots, scale, causal, group,
+                  key_block, dq, dk_part, dv_part):
+    dim, dv, lanes = q.shape[2], vt.shape[2], _fma.PANEL
+    for slot in numba.prange(slots.size - 1):
+        probs = np.empty(BACKWARD_K * BACKWARD_Q, np.float32)
+        dscores = np.empty(BACKWARD_K * BACKWARD_Q, np.float32)
+        dk_acc = np.empty((BACKWARD_K, kp.shape[1] * lanes), np.float32)
+        dv_acc = np.empty((BACKWARD_K, -(-dv // lanes) * lanes), np.float32)
+        for pos in range(slots[slot], slots[slot + 1]):
+            it = order[pos]
+            h, s0, s1 = items[it, 0], items[it, 1], items[it, 2]
+            g = h // group
+            length = s1 - s0
+            wide = -(-length // lanes) * lanes
+            # Queries (scaled: dk = dS^T (q * scale) directly, dq is scaled at the end) and
+            # dout, as the lanes of the score products and as the panels of dk and dv.
+            qt = np.empty((wide // lanes, dim, lanes), np.float32)
+            dot = np.empty((wide // lanes, dv, lanes), np.float32)
+            qp = np.empty((kp.shape[1], wide, lanes), np.float32)
+            dop = np.empty((dv_acc.shape[1] // lanes, wide, lanes), np.float32)
+            _pack_columns(q, s0, length, h, scale, qt)
+            _pack_columns(dout, s0, length, h, 1, dot)
+            _pack_rows(q, s0, length, h, scale, qp)
+            _pack_rows(dout, s0, length, h, 1, dop)
+            delta = np.zeros(wide, np.float32)
+            shift = np.zeros(wide, np.float32)
+            for r in range(length):
+                shift[r] = lse[h, s0 + r]
+                for d in range(dv):
+                    delta[r] += dout[s0 + r, h, d] * out[s0 + r, h, d]
+            dq_acc = np.zeros((wide, dk_acc.shape[1]), np.float32)
+            for k0 in range(s0, s1, key_block):
+                k1 = min(k0 + key_block, s1)
+                cols = k1 - k0
+                kb, vb = kt[g, k0:k1], vt[g, k0:k1]
+                dk_acc[:cols] = 0
+                dv_acc[:cols] = 0
+                # Causal: the query panels before the key block see none of it.
+                for r0 in range((k0 - s0) // lanes * lanes if causal else 0, wide, BACKWARD_Q):
+                    r1 = min(r0 + BACKWARD_Q, wide)
+                    rows = r1 - r0
+                    p = _matrix(probs, cols, rows)
+                    ds = _matrix(dscores, cols, rows)
+                    _scores(kb, cols, qt, r0 // lanes, p)
+                    _scores(vb, cols, dot, r0 // lanes, ds)
+                    _probabilities_and_dscores(p, ds, shift[r0:r1], delta[r0:r1], s0 + r0 - k0,
+                                               causal)
+                    _accumulate(dv_acc, p, cols, rows, 1, rows, dop, r0)
+                    _accumulate(dk_acc, ds, cols, rows, 1, rows, qp, r0)
+                    # dq's rows are the query lanes: A = dS^T, read down the columns of ds.
+                    _accumulate(dq_acc[r0:r1], ds, rows, 1, rows, cols, kp[g], k0)
+                dk_part[h, k0:k1] = dk_acc[:cols, :dim]
+                dv_part[h, k0:k1] = dv_acc[:cols, :dv]
+            for r in range(length):
+                for d in range(dim):
+                    dq[s0 + r, h, d] = dq_acc[r, d] * scale
 
 
 def _schedule(costs, slots):
@@ -285,6 +456,17 @@ def _forward_items(offsets, heads, causal):
     return items, (items[:, 2] - items[:, 1]) * keys
 
 
+def _panels(x):
+    """[T, heads, dim] -> contiguous [heads, ceil(dim / 64), T, 64], zero-padded: the operands
+    the AVX-512 tiles read as 64-column panels."""
+    tokens, heads, dim = x.shape
+    count = -(-dim // _fma.PANEL)
+    padded = np.zeros((heads, tokens, count * _fma.PANEL), x.dtype)
+    padded[:, :, :dim] = x.transpose(1, 0, 2)
+    return np.ascontiguousarray(
+        padded.reshape(heads, tokens, count, _fma.PANEL).transpose(0, 2, 1, 3))
+
+
 def forward(q, k, v, offsets, scale, causal):
     """q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv] -> (out [T, H, Dv], lse [H, T])."""
     tokens, heads, _ = q.shape
@@ -292,6 +474,10 @@ def forward(q, k, v, offsets, scale, causal):
     lse = _backend.empty((heads, tokens), q.dtype)
     items, costs = _forward_items(offsets, heads, causal)
     order, slots = _schedule(costs, numba.get_num_threads())
+    if USE_FMA and q.dtype == np.float32:
+        _forward_fma(q, _by_head(k), _panels(v), items, order, slots, np.float32(scale), causal,
+                     heads // k.shape[1], out, lse)
+        return out, lse
     with _backend.single_threaded_blas():
         _forward(q, _by_head(k), _by_head(v), items, order, slots, q.dtype.type(scale), causal,
                  heads // k.shape[1], out, lse)
@@ -311,10 +497,14 @@ def backward(dout, q, k, v, out, lse, offsets, scale, causal):
     dq = _backend.empty(q.shape, q.dtype)
     dk_part = np.empty((heads, tokens, dim), q.dtype)
     dv_part = np.empty((heads, tokens, dv_dim), q.dtype)
-    with _backend.single_threaded_blas():
-        _backward(dout, q, _by_head(k), _by_head(v), out, lse, items, order, slots,
-                  q.dtype.type(scale), causal, group, BACKWARD_K_CAUSAL if causal else BACKWARD_K,
-                  dq, dk_part, dv_part)
+    key_block = BACKWARD_K_CAUSAL if causal else BACKWARD_K
+    if USE_FMA and q.dtype == np.float32:
+        _backward_fma(dout, q, _by_head(k), _by_head(v), _panels(k), out, lse, items, order,
+                      slots, np.float32(scale), causal, group, key_block, dq, dk_part, dv_part)
+    else:
+        with _backend.single_threaded_blas():
+                _backward(dout, q, _by_head(k), _by_head(v), out, lse, items, order, slots,
+                      q.dtype.type(scale), causal, group, key_block, dq, dk_part, dv_part)
     dk = _backend.empty(k.shape, k.dtype)
     dv = _backend.empty(v.shape, v.dtype)
     # The group's partials add in head order: the same sum whatever the thread count.

@@ -18,7 +18,9 @@ this package:
 - ``_backward.py``: ``dx`` for few rows (transposed GEMV) and without AVX-512 (decoded float32
   tiles for BLAS), and the dequantized activations of ``dw``.
 
-An njit kernel calls no njit function or intrinsic of another file; the constants they import
+An njit kernel here calls no njit function or intrinsic of another file (the float32 tile loop
+``_fma.panel_block`` is also called from outside, by ``lowbit/ops/segmented_attention``'s
+numba kernels, which guard their own cache against edits of ``_fma.py``); the constants they import
 (format bits and code ranges from ``lowbit/ops/quantize``) are frozen into Numba's on-disk cache,
 which keys each kernel on its own file only, so ``numba_cache_guard`` below restamps the package
 whenever one of its files or that owner changes.

@@ -136,7 +136,7 @@ _L1, _L2, _L3, _L4, _L5, _L6 = (fma_tile(r, True) for r in range(1, 7))
 
 
 @numba.njit(cache=True)
-def _panel_block(a, rows, si, sr, r0, panel, count, c, j0, load):
+def panel_block(a, rows, si, sr, r0, panel, count, c, j0, load):
     """c[:rows, j0:j0 + 64] (+)= A[:rows, r0:r0 + count] @ panel[:count], six rows a tile
     (A read from ``a`` through the strides ``si``, ``sr`` as in ``fma_tile``; ``load``: add to c,
     else overwrite it)."""
@@ -206,7 +206,7 @@ def dx_kernel(g, data, bits, K, scale, kc, out):
                         else:
                             v = (np.int32(row[q]) >> (bits * f)) & mask
                             seg[q] = np.float32(v - 1 if bits == 2 else 2 * v - 1)
-            _panel_block(g, M, N, 1, r0, panel, count, c, 0, r0 > 0)
+            panel_block(g, M, N, 1, r0, panel, count, c, 0, r0 > 0)
         for m in range(M):
             for f in range(per):
                 for q in range(G):
@@ -240,7 +240,7 @@ def dw_kernel(a, transposed, g, kc, out):
             for i in range(count):
                 for j in range(width):
                     panel[i, j] = g[r0 + i, n0 + j]
-            _panel_block(a, K, si, sr, r0, panel, count, c, j0, r0 > 0)
+            panel_block(a, K, si, sr, r0, panel, count, c, j0, r0 > 0)
         if width < PANEL:
             for k in range(K):
                 for j in range(width):
