@@ -19,7 +19,9 @@ measured step pays for JIT compilation or first-use caches.
 
 Block patterns (issue 19): the same step with exact saved tensors and 100%, 50% and 25% of the
 latent blocks active (``PATTERN_BLOCK`` neurons each, spread evenly), timed against the dense
-step, with the saved bytes against dense (targets ``PATTERN_TARGETS``).
+step, with the saved bytes against dense (targets ``PATTERN_TARGETS``). At 25% a head has D
+active neurons, so its attention output is recomputed in the backward instead of saved
+(``lowbit/ops/lowrank_residual/_layer.py``, ``keeps_attention``); the step time includes that.
 
 Op: ``lowbit/ops/lowrank_residual``; reference: ``reference/lowrank_residual.py``.
 """

@@ -144,6 +144,36 @@ def test_dense_pattern_is_no_pattern_bitwise(backend, rng, attention):
             assert_equal(name, to_numpy(a), to_numpy(b))
 
 
+@pytest.mark.parametrize("attention", ["causal_linear", "segmented"])
+def test_recomputed_attention_output_is_the_kept_one_bitwise(backend, rng, monkeypatch,
+                                                              attention):
+    """Under a pattern that leaves a head at most D active neurons (head 0 here; head 1 keeps
+    more) the ctx keeps no attention output ``a`` of it (segmented: of no head): the backward's
+    recompute gives the bits a kept ``a`` gives, and the ctx is smaller by exactly the float32
+    ``a`` of each such head."""
+    from lowbit.ops.lowrank_residual import _layer as layer_math
+
+    B, T, D, H, N = (2, 11, 6, 2, 12) if backend.name != "cudasim" else (1, 5, 4, 2, 8)
+    current, encoder, encoder_v, decoder = _layer(rng, B, T, D, H, N)
+    dnext = backend.to(rng.standard_normal((B, T, D)).astype(np.float32))
+    args = [backend.to(a) for a in (current, encoder, encoder_v, decoder)]
+    pattern = lowbit.BlockPattern(2, [np.arange(N // 2) % 3 == 1, np.arange(N // 2) % 3 != 1])
+    recomputed = [True, attention == "segmented"]  # widths N / 3 <= D and 2 N / 3 > D
+    kwargs = dict(attention=attention, latent_pattern=pattern, relu_threshold=0.05,
+                  plan=lowbit.LowBitPlan.uniform("ternary", "int8"), dropout=0.2, seed=4)
+    out, ctx = lowbit.lowrank_residual_forward(*args, **kwargs)
+    assert [a is None for a in ctx.attn] == recomputed
+    grads = lowbit.lowrank_residual_backward(dnext, ctx)
+    monkeypatch.setattr(layer_math, "keeps_attention", lambda *args: True)
+    kept_out, kept = lowbit.lowrank_residual_forward(*args, **kwargs)
+    assert all(a is not None for a in kept.attn)
+    assert_equal("next", to_numpy(kept_out), to_numpy(out))
+    assert kept.nbytes - ctx.nbytes == sum(recomputed) * B * T * D * 4
+    for name, a, b in zip(("dcurrent", "dencoder", "dencoder_v", "ddecoder"), grads,
+                          lowbit.lowrank_residual_backward(dnext, kept)):
+        assert_equal(name, to_numpy(b), to_numpy(a))
+
+
 @pytest.mark.parametrize("plan,saved", [(lowbit.LowBitPlan.uniform("ternary", "int8"), None),
                                         (None, "sparse")], ids=["ternary-exact", "fp32-sparse"])
 def test_saved_bytes_shrink_with_the_active_fraction(rng, plan, saved):

@@ -29,8 +29,11 @@ of ``LN(a)`` (the codes times their scales then stand for ``LN(a)`` in the norm'
 ``a`` itself is not kept). Recomputed in the backward: the product ``y_neuron`` (and the
 dropout mask, a hash of the element index), the rotated queries, every normalized output (from
 the saved input and statistics), and, for ``attention="segmented"``, the attention forward (so
-its ctx does not save ``x_neuron`` and ``current`` a second time). Statistics (``[B, T]``, per
-head for ``a``) are kept exact; ``ctx.nbytes`` counts them.
+its ctx does not save ``x_neuron`` and ``current`` a second time, nor ``a``, which that
+recompute gives). Under a block pattern that leaves a head at most D active neurons, its
+causal-linear attention output ``a`` is recomputed too (``_layer.keeps_attention``), sharing
+the queries, scores and states with the attention's backward. Statistics (``[B, T]``, per head for
+``a``) are kept exact; ``ctx.nbytes`` counts them.
 
 Memory: the forward goes head by head (temporaries ``[B, T, N]``; with a quantized decoder
 projection one ``[B, T, H * N]`` buffer, multiplied in row blocks, or, when the policy is lossy
@@ -44,7 +47,7 @@ Block patterns (``lowbit.BlockPattern``, ``latent_pattern=``; ``_pattern.py``): 
 its active latent neurons only (gathered encoder columns, decoder rows and rotary pairs, the
 packed ones by whole bytes where the blocks start on byte boundaries), so the products, the
 attention, the saved latent tensors and the gradients shrink with the active fraction (the
-saved ``[B, T, D]`` tensors, ``current``, ``mlp`` and each head's ``a``, do not).
+saved ``[B, T, D]`` tensors ``current`` and ``mlp`` do not, nor ``a`` where it is kept).
 """
 
 from __future__ import annotations
@@ -136,7 +139,7 @@ class LowrankResidualCtx(Ctx):
     x_codes: object  # (codes, scales) of current's rows, or None
     x_neuron: list  # None: recomputed from x_codes
     y_gate: list  # None: recomputed from attn_codes
-    attn: list  # None: recomputed from attn_codes
+    attn: list  # None: recomputed from attn_codes; a head's None: recomputed in the backward
     attn_mean: list
     attn_rstd: list
     attn_codes: list  # per head (codes, scales) of LN(a)'s rows, or None

@@ -48,8 +48,14 @@ def causal_linear_forward(x, v, starts, cos, sin):
     return out
 
 
-def causal_linear_backward(da, x, v, starts, cos, sin):
-    """Gradients ``(dx, dv)`` float32 of ``causal_linear_forward`` (see ``_numpy``)."""
+def causal_linear_recompute(x, v, starts, cos, sin):
+    """``(causal_linear_forward(...), None)``: the kernels keep nothing for the backward."""
+    return causal_linear_forward(x, v, starts, cos, sin), None
+
+
+def causal_linear_backward(da, x, v, starts, cos, sin, cache=None):
+    """Gradients ``(dx, dv)`` float32 of ``causal_linear_forward`` (see ``_numpy``; ``cache``
+    unused)."""
     xp = _backend.array_module(x)
     B, T, N = x.shape
     D = v.shape[2]

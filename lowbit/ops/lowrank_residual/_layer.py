@@ -39,24 +39,31 @@ HASH_MUL_2 = 0x846CA68B
 
 
 @functools.lru_cache(maxsize=16)
-def _rope_tables_host(T, N):
-    """cos/sin of the rotary angles, [T, N // 2] float32 each (angles in float64)."""
+def _rope_tables_host(T, N, pairs=None):
+    """cos/sin of the rotary angles, [T, N // 2] float32 each (angles in float64); ``pairs``
+    the bytes of host int64 pair indices (a block pattern's): their columns only."""
+    if pairs is not None:
+        idx = np.frombuffer(pairs, np.int64)
+        return tuple(np.ascontiguousarray(t[:, idx]) for t in _rope_tables_host(T, N))
     j = np.arange(N // 2, dtype=np.float64)
     phi = np.arange(T, dtype=np.float64)[:, None] * ROPE_THETA ** (-2.0 * j / N)[None, :]
     return np.cos(phi).astype(np.float32), np.sin(phi).astype(np.float32)
 
 
-def rope_tables(T, N, xp):
-    """cos/sin of ``_rope_tables_host`` on the array module ``xp`` (uploaded once a device)."""
+def rope_tables(T, N, xp, pairs=None):
+    """cos/sin of ``_rope_tables_host`` on the array module ``xp``, of every pair or of the
+    pairs ``pairs`` (host int64 indices), made and uploaded once per shape, pairs and device (a
+    pattern's columns gathered for every head of every call cost more than its projections)."""
+    key = None if pairs is None else np.ascontiguousarray(pairs, np.int64).tobytes()
     if xp is np:
-        return _rope_tables_host(T, N)
-    return _rope_tables_device(T, N, xp.cuda.Device().id)
+        return _rope_tables_host(T, N, key)
+    return _rope_tables_device(T, N, key, xp.cuda.Device().id)
 
 
 @functools.lru_cache(maxsize=16)
-def _rope_tables_device(T, N, device):
+def _rope_tables_device(T, N, pairs, device):
     like = _backend.cupy_module().empty(0, np.float32)
-    return tuple(_kernels.device_copy(t, like) for t in _rope_tables_host(T, N))
+    return tuple(_kernels.device_copy(t, like) for t in _rope_tables_host(T, N, pairs))
 
 
 def starts(lengths, xp):
@@ -182,7 +189,7 @@ def head_weights(h, encoder, encoder_v, packed, cos, sin, latent):
                            slice(h * N, (h + 1) * N), None, N)
     xp = _backend.array_module(encoder)
     cols = _kernels.device_constant(idx, encoder)
-    pairs = _kernels.device_constant(idx[0:2 * (len(idx) // 2):2] // 2, encoder)
+    cos, sin = rope_tables(cos.shape[0], N, xp, idx[0:2 * (len(idx) // 2):2] // 2)
 
     def active(w, pw):  # the float32 columns only where no packed form stands in for them
         return xp.ascontiguousarray(w[h][:, cols]) if pw is None or not len(idx) else None
@@ -191,8 +198,7 @@ def head_weights(h, encoder, encoder_v, packed, cos, sin, latent):
         active(encoder, pwx), active(encoder_v, pwy),
         None if pwx is None or not len(idx) else gather_columns(pwx, idx),
         None if pwy is None or not len(idx) else gather_columns(pwy, idx),
-        xp.ascontiguousarray(cos[:, pairs]), xp.ascontiguousarray(sin[:, pairs]),
-        h * N + idx, idx, len(idx))
+        cos, sin, h * N + idx, idx, len(idx))
 
 
 def decoder_rows(decoder, pw, heads):
@@ -213,6 +219,18 @@ def active_rows(decoder, pw, rows):
         return None, gather_rows(pw, rows)
     xp = _backend.array_module(decoder)
     return xp.ascontiguousarray(decoder[_kernels.device_constant(rows, decoder)]), None
+
+
+def keeps_attention(attention, latent, width, D):
+    """Whether the ctx keeps a head's attention output ``a`` [B, T, D] (else the backward
+    recomputes it, the same bits), ``width`` the head's active latent neurons: not where the
+    recompute is cheap for the bytes it spares. The segmented attention's backward recomputes
+    its forward anyway. Under a block pattern that leaves a head at most D active neurons, ``a``
+    is at least as large as each of its saved latent tensors, and the causal-linear backward
+    reuses what the recompute found (``causal_linear_recompute``: queries, scores, states), so
+    it pays only the products with ``current`` (at a quarter of the blocks of the BDH bench's
+    layer, 2 of 7 MiB saved per application, for about a fifth of the attention's backward)."""
+    return attention == "causal_linear" and (latent is None or width > D)
 
 
 def forward(impl, current, encoder, encoder_v, decoder, attention, lengths, plan, saved,
@@ -280,7 +298,8 @@ def forward(impl, current, encoder, encoder_v, decoder, attention, lengths, plan
                 saved_ac[h] = _save_codes(qa)
             else:
                 saved_y[h] = save(y_gate, saved, kind="nonneg")
-                saved_a[h] = save(a, saved)
+                if keeps_attention(attention, latent, w.width, D):
+                    saved_a[h] = save(a, saved)
                 saved_am[h] = save(a_mean, None)
             saved_ar[h] = save(a_rstd, None)
         del x_neuron, y_gate, a, qa
@@ -392,13 +411,20 @@ def _softmax_attention(x_neuron, current, lengths, N):
     return out.reshape(current.shape)
 
 
-def softmax_attention_backward(da, x_neuron, current, lengths, N):
-    """Gradients (dx_neuron, dcurrent) of ``_softmax_attention``; recomputes its forward."""
+def softmax_attention_recompute(x_neuron, current, lengths, N):
+    """``_softmax_attention``'s output (the same kernel, the same bits) and the ctx of
+    ``softmax_attention_backward``."""
     q, v, tiled, scale = _seg_args(x_neuron, current, lengths, N)
-    _, actx = segmented_attention_forward(q, q, v, tiled, scale=scale, causal=True)
-    dq, dk, dv = segmented_attention_backward(da.reshape(v.shape[0], 1, -1), actx)
+    out, actx = segmented_attention_forward(q, q, v, tiled, scale=scale, causal=True)
+    return out.reshape(current.shape), actx
+
+
+def softmax_attention_backward(da, actx, x_shape):
+    """Gradients ``(dx_neuron [x_shape], dcurrent)`` of ``_softmax_attention`` from the ctx of
+    ``softmax_attention_recompute``."""
+    dq, dk, dv = segmented_attention_backward(da.reshape(-1, 1, da.shape[-1]), actx)
     dq += dk
-    return dq.reshape(x_neuron.shape), dv.reshape(current.shape)
+    return dq.reshape(x_shape), dv.reshape(da.shape)
 
 
 def _normalized(saved_x, mean, rstd):

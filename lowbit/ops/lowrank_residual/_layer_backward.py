@@ -18,7 +18,7 @@ from ..packed_matmul import straight_through_backward, straight_through_codes
 from ..quantize import ACT_FORMATS, weight_rows
 from ._layer import (_codes, _dropout_scale, _normalized, _relu, _rows, _unpack_codes,
                      active_rows, head_weights, row_codes, rope_tables,
-                     softmax_attention_backward, starts)
+                     softmax_attention_backward, softmax_attention_recompute, starts)
 from ._pattern import runs
 
 #: Tokens per step of the backward's loop over batch rows (whole rows; at least one): its
@@ -102,8 +102,19 @@ def backward(impl, dnext, ctx, grads):
             rows = slice(b0, min(B, b0 + chunk))
             with stage("x projection"):
                 x_neuron = head.x_neuron(rows)
+            with stage("attention"):
+                # The attention's forward, where the ctx did not keep a (or, segmented, always:
+                # its backward takes the ctx of a forward), and what its backward reuses.
+                if ctx.attention != "causal_linear":
+                    a, att = softmax_attention_recompute(x_neuron, current[rows], ctx.lengths, N)
+                elif head.recompute_a:
+                    a, att = impl.causal_linear_recompute(x_neuron, current[rows], bounds, w.cos,
+                                                          w.sin)
+                else:
+                    a, att = None, None
             with stage("y projection"):
-                y_gate, a_hat, qa_rows = head.y_gate(rows)
+                y_gate, a_hat, qa_rows = head.y_gate(rows, a)
+                del a
             nb = x_neuron.shape[0]
             keep = (_dropout_scale((B, T, N), h, H, ctx.dropout, ctx.seed, ctx.row_offset, xp,
                                    rows, w.latent) if ctx.dropout > 0 else None)
@@ -142,11 +153,10 @@ def backward(impl, dnext, ctx, grads):
             with stage("attention"):
                 if ctx.attention == "causal_linear":
                     dxa, dva = impl.causal_linear_backward(da, x_neuron, current[rows], bounds,
-                                                           w.cos, w.sin)
+                                                           w.cos, w.sin, att)
                 else:
-                    dxa, dva = softmax_attention_backward(da, x_neuron, current[rows],
-                                                          ctx.lengths, N)
-                del da
+                    dxa, dva = softmax_attention_backward(da, att, x_neuron.shape)
+                del da, att
                 dcurrent[rows] += dva
                 dx_neuron += dxa
                 del dxa, dva
@@ -173,12 +183,18 @@ class _HeadInputs:
         self.thr = np.float32(ctx.relu_threshold)
         self.T = ctx.shape[1]
         self.x_all = ctx.x_neuron[h].unpack() if ctx.x_neuron is not None else None
+        #: Whether ``y_gate`` needs a recomputed attention output (the ctx kept neither it nor
+        #: the codes of LN(a)).
+        self.recompute_a = ctx.attn_codes is None and ctx.attn[h] is None
         if ctx.attn_codes is not None:
             self.qa = _unpack_codes(ctx.attn_codes[h])
         else:
             self.qa = None
             self.y_all = ctx.y_gate[h].unpack()
-            self.a_hat_all = _normalized(ctx.attn[h], ctx.attn_mean[h], ctx.attn_rstd[h])
+            if self.recompute_a:
+                self.a_stats = ctx.attn_mean[h].unpack(), ctx.attn_rstd[h].unpack()
+            else:
+                self.a_hat_all = _normalized(ctx.attn[h], ctx.attn_mean[h], ctx.attn_rstd[h])
 
     def x_neuron(self, rows):
         """[b, T, n] ``x_neuron`` of batch rows ``rows`` (n: the head's active neurons)."""
@@ -188,11 +204,16 @@ class _HeadInputs:
                                    self.w.pwx)
         return _relu(y, self.thr, self.xp).reshape(-1, self.T, self.w.width)
 
-    def y_gate(self, rows):
-        """``(y_gate [b, T, n], LN(a) [b, T, D], codes of LN(a)'s rows or None)``."""
+    def y_gate(self, rows, a):
+        """``(y_gate [b, T, n], LN(a) [b, T, D], codes of LN(a)'s rows or None)``; ``a`` the
+        recomputed attention output of rows ``rows`` (used where ``recompute_a``)."""
         act = self.ctx.plan.y[1]
         if self.qa is None:
-            a_hat = self.a_hat_all[rows]
+            if self.recompute_a:  # the arithmetic of _normalized on a kept a: the same bits
+                mean, rstd = self.a_stats
+                a_hat = (a - mean[rows][..., None]) * rstd[rows][..., None]
+            else:
+                a_hat = self.a_hat_all[rows]
             return self.y_all[rows], a_hat, None if act is None else _codes(a_hat, act)
         codes, scale = q = _row_slice(self.qa, rows, self.T)
         y = _relu(straight_through_codes(codes, scale, self.w.encoder_v, self.w.pwy), self.thr,

@@ -73,8 +73,16 @@ def causal_linear_forward(x, v, starts, cos, sin):
     return out
 
 
-def causal_linear_backward(da, x, v, starts, cos, sin):
-    """Gradients ``(dx, dv)`` of ``causal_linear_forward`` for the output gradient ``da``.
+def causal_linear_recompute(x, v, starts, cos, sin):
+    """``(causal_linear_forward(...), cache)`` for a backward that recomputes the output; this
+    backend keeps nothing for ``causal_linear_backward`` (``cache`` None: numba's keeps its
+    queries, scores and states)."""
+    return causal_linear_forward(x, v, starts, cos, sin), None
+
+
+def causal_linear_backward(da, x, v, starts, cos, sin, cache=None):
+    """Gradients ``(dx, dv)`` of ``causal_linear_forward`` for the output gradient ``da``
+    (``cache``: ``causal_linear_recompute``'s, unused here).
 
     With ``P = strict_lower(Q Q^T)`` and ``dP = strict_lower(da v^T)``: ``dQ = dP Q + dP^T Q``,
     ``dv = P^T da``; across chunks through the states ``S = sum Q^T v`` (earlier chunks) and
