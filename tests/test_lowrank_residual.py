@@ -59,10 +59,30 @@ def test_reference_backward_matches_finite_differences(rng, attention, lengths):
 def test_causal_linear_attention_kernel(backend, rng, split):
     """Forward and both gradients; segments of several chunks (the numba kernel's CHUNK) and
     odd N."""
+    _check_causal_linear(backend, rng, split, 5, 7)
+
+
+@pytest.mark.parametrize("use_fma", [False, True])
+def test_numba_causal_linear_kernel_paths(backend, rng, monkeypatch, use_fma):
+    # float32 runs the AVX-512 tiles where the CPU has them: force each path in turn, so that
+    # the BLAS kernels are checked on every machine, and both with N and D past one 64-lane
+    # panel and not a multiple of it (the tiles' padded lanes and columns).
+    if backend.name != "numba":
+        pytest.skip("the numba backend's kernel choice")
+    from lowbit.ops.lowrank_residual import _numba
+    from lowbit.ops.packed_matmul._numba import _fma
+
+    if use_fma and not _fma.AVAILABLE:
+        pytest.skip("the CPU has no AVX-512")
+    monkeypatch.setattr(_numba, "USE_FMA", use_fma)
+    _check_causal_linear(backend, rng, True, 66, 70)
+
+
+def _check_causal_linear(backend, rng, split, D, N):
     from lowbit.ops.lowrank_residual._numba import CHUNK
 
     lengths = [1, 1, CHUNK + 6, 3, 2 * CHUNK + 11] if split else None
-    B, T, D, N = 2, 3 * CHUNK + 22, 5, 7
+    B, T = 2, 3 * CHUNK + 22
     if backend.name == "cudasim":  # one OS thread per CUDA thread: a few blocks only
         B, T, lengths = 1, 13, (None if lengths is None else [1, 1, 6, 3, 2])
     _, impl = _dispatch.resolve("lowrank_residual", backend.to(np.zeros(1, np.float32)))
