@@ -64,6 +64,23 @@ def _rope_rows(x, b, t0, t1, cos, sin, sign, out):
 
 
 @numba.njit(cache=True)
+def _rope_back(dq, b, s0, s1, cos, sin, dx):
+    """dx[b, t] = rope^T(dq[t - s0]) for t in [s0, s1): the gradient through the rotation."""
+    half = cos.shape[1]
+    n = dx.shape[2]  # dq may be wider (the tiles' panels)
+    for t in range(s0, s1):
+        for j in range(half):
+            c = cos[t, j]
+            s = sin[t, j]
+            e = dq[t - s0, 2 * j]
+            o = dq[t - s0, 2 * j + 1]
+            dx[b, t, 2 * j] = e * c + o * s
+            dx[b, t, 2 * j + 1] = o * c - e * s
+        if n % 2:
+            dx[b, t, n - 1] = dq[t - s0, n - 1]
+
+
+@numba.njit(cache=True)
 def _mask_strict_lower(m):
     for i in range(m.shape[0]):
         for j in range(i, m.shape[1]):
@@ -173,17 +190,7 @@ def _backward(da, x, v, starts, cos, sin, dx, dv, kept, qs, ps, states):
                 dv[b, c0:c1] += np.dot(qc, rstate)
             if c0 > s0:
                 rstate += np.dot(qc.T, np.ascontiguousarray(da[b, c0:c1]))
-        half = cos.shape[1]
-        for t in range(s0, s1):
-            for j in range(half):
-                c = cos[t, j]
-                s = sin[t, j]
-                e = dq[t - s0, 2 * j]
-                o = dq[t - s0, 2 * j + 1]
-                dx[b, t, 2 * j] = e * c + o * s
-                dx[b, t, 2 * j + 1] = o * c - e * s
-            if N % 2:
-                dx[b, t, N - 1] = dq[t - s0, N - 1]
+        _rope_back(dq, b, s0, s1, cos, sin, dx)
 
 
 # The AVX-512 path (``USE_FMA``): the packings and products of the tiles, and the two kernels.
@@ -374,17 +381,8 @@ def _backward_fma(da, x, v, starts, cos, sin, dx, dv, kept, qs, ps, states):
                 _row_panels(da[b, c0:c1], m, dap)
                 _into_panels(qc, N, 1, N, m, dap, rstate)
                 _transpose_panels(rstate, rstate_t, N, D)
-        half = cos.shape[1]
+        _rope_back(dq, b, s0, s1, cos, sin, dx)
         for t in range(s0, s1):
-            for j in range(half):
-                c = cos[t, j]
-                s = sin[t, j]
-                e = dq[t - s0, 2 * j]
-                o = dq[t - s0, 2 * j + 1]
-                dx[b, t, 2 * j] = e * c + o * s
-                dx[b, t, 2 * j + 1] = o * c - e * s
-            if N % 2:
-                dx[b, t, N - 1] = dq[t - s0, N - 1]
             dv[b, t] = dvs[t - s0, :D]
 
 
