@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from lowbit.io._files import atomic_path
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -192,5 +194,20 @@ def write_json(name: str, rows: list[dict], config: Config, directory: Path | No
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "rows": rows,
     }
-    path.write_text(json.dumps(payload, indent=1, default=str))
+    # Strict JSON (a NaN or inf, say a ratio with no baseline, is written as null), written
+    # whole or not at all: to a temporary file that then replaces the old one.
+    text = json.dumps(_strict(payload), indent=1, default=str, allow_nan=False)
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(text)
     return path
+
+
+def _strict(value):
+    """``value`` with every non-finite float (nested in dicts, lists, tuples) replaced by None."""
+    if isinstance(value, float):
+        return value if np.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value

