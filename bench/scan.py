@@ -8,8 +8,10 @@ against the float64 reference on a small shape before it is timed. ``tokens/s`` 
 over the median call time of the very calls the harness times.
 
 On CPU the gated delta rule also gets the chunked (WY / UT) numba kernels
-(``lowbit/ops/gated_delta_scan/_numba_chunked.py``) timed against the token-by-token numba
-kernels in the same run (target ``CHUNKED_TARGET``), and, when flash-linear-attention is installed
+(``lowbit/ops/gated_delta_scan/_numba_chunked.py``, which the numba backend runs where
+``_numba.use_chunked`` says, so its ``numba`` rows time whichever form that picks) timed against
+the token-by-token numba kernels (``recurrent_forward`` / ``recurrent_backward``) in the same
+run (target ``CHUNKED_TARGET``), and, when flash-linear-attention is installed
 (pip package ``fla-core``), its torch ``naive_chunk_gated_delta_rule`` as the peer: run as its
 users run it (the [B, T, H, K] tensors it takes, built before the clock; ``scale=1``, so it
 computes lowbit's function; the backward through torch autograd on a graph kept from one
@@ -280,21 +282,24 @@ def _check_fla(torch, naive):
 
 
 def _check_kernels(forward, backward):
-    """A pair of numba gated delta kernels (working-array contract) against the reference."""
+    """A pair of numba gated delta kernels (working-array contract) against the reference: on a
+    small shape and at K = V = 64 in chunks of 64, where the chunked kernels run the products the
+    bench times (the AVX-512 tiles where the CPU has them)."""
     rng = np.random.default_rng(5)
-    q, k, v, ld, beta, s0 = _gdr_inputs(rng, 2, 70, 2, 5, 7, np.float32)
-    dout = rng.normal(size=v.shape).astype(np.float32)
-    dstate = rng.normal(size=s0.shape).astype(np.float32)
-    work = (q, k, v, np.ascontiguousarray(ld[..., None]), beta)
-    out, state, checkpoints = forward(*work, s0, 32, True)
-    grads = backward(dout, dstate, *work, checkpoints, 32)
-    ref_out, ref_state = gated_delta_scan_ref(q, k, v, ld, beta, s0)
-    _close("out", ref_out, out, 1e-5)
-    _close("state", ref_state, state, 1e-5)
-    refs = gated_delta_scan_bwd_ref(q, k, v, ld, beta, s0, dout, dstate)
-    for name, ref, got in zip(("dq", "dk", "dv", "dlog_decay", "dbeta", "dinitial_state"),
-                              refs, grads[:3] + (grads[3][..., 0],) + grads[4:]):
-        _close(name, ref, got, 1e-5)
+    for shape, chunk in (((2, 70, 2, 5, 7), 32), ((1, 70, 1, 64, 64), 64)):
+        q, k, v, ld, beta, s0 = _gdr_inputs(rng, *shape, np.float32)
+        dout = rng.normal(size=v.shape).astype(np.float32)
+        dstate = rng.normal(size=s0.shape).astype(np.float32)
+        work = (q, k, v, np.ascontiguousarray(ld[..., None]), beta)
+        out, state, checkpoints = forward(*work, s0, chunk, True)
+        grads = backward(dout, dstate, *work, checkpoints, chunk)
+        ref_out, ref_state = gated_delta_scan_ref(q, k, v, ld, beta, s0)
+        _close("out", ref_out, out, 1e-5)
+        _close("state", ref_state, state, 1e-5)
+        refs = gated_delta_scan_bwd_ref(q, k, v, ld, beta, s0, dout, dstate)
+        for name, ref, got in zip(("dq", "dk", "dv", "dlog_decay", "dbeta", "dinitial_state"),
+                                  refs, grads[:3] + (grads[3][..., 0],) + grads[4:]):
+            _close(name, ref, got, 1e-5)
 
 
 def _chunked_cases(inputs, dout, tokens, flops, dims):
@@ -305,7 +310,7 @@ def _chunked_cases(inputs, dout, tokens, flops, dims):
     q, k, v, ld, beta, s0 = inputs
     work = (q, k, v, np.ascontiguousarray(ld[..., None]), beta)
     zero = np.zeros_like(s0)
-    kernels = {"recurrent": (_numba.forward, _numba.backward),
+    kernels = {"recurrent": (_numba.recurrent_forward, _numba.recurrent_backward),
                "chunked": (_numba_chunked.forward, _numba_chunked.backward)}
     naive, reason = _fla_naive()
     peer = None

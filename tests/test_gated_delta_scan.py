@@ -2,7 +2,8 @@
 
 Op: lowbit/ops/gated_delta_scan; kernels: cuda/gated_delta_scan.cu. The reference backward is
 checked against central finite differences; every backend's forward, final state and gradients
-(dinitial_state and a nonzero dstate included) against the reference.
+(dinitial_state and a nonzero dstate included) against the reference. The chunked (WY / UT)
+kernels and the rules that pick them: ``tests/test_gated_delta_scan_chunked.py``.
 """
 
 import math
@@ -259,131 +260,6 @@ def test_backward_rejects_bad_gradient_shape(rng, never_runs, name):
 def test_backward_rejects_foreign_ctx(rng, never_runs):
     with pytest.raises(TypeError, match="ctx"):
         lowbit.gated_delta_scan_backward(np.zeros((2, 3, 2, 5), np.float32), None, object())
-
-
-# -- the chunked (WY / UT) form: numpy selects it (use_chunked); numba's stays unselected -------
-
-@pytest.fixture(params=["numba", "numpy"])
-def chunked(request):
-    """The chunked form's module: ``_numba_chunked`` (called directly), or ``_numpy`` (whose
-    ``forward``/``backward`` take it for the shapes below, by its ``use_chunked`` rule)."""
-    if request.param == "numba":
-        if "numba" not in lowbit.available_backends():
-            pytest.skip("backend numba unavailable")
-        from lowbit.ops.gated_delta_scan import _numba_chunked as module
-    else:
-        from lowbit.ops.gated_delta_scan import _numpy as module
-    return module
-
-
-def _chunked_run(module, inputs, dout, dstate, chunk_size):
-    """module.forward / backward on the contiguous working arrays that ``__init__`` passes."""
-    q, k, v, log_decay, beta, s0 = inputs
-    work = (q, k, v, np.ascontiguousarray(log_decay[..., None]), beta)
-    s0 = np.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), q.dtype) if s0 is None else s0
-    out, state, checkpoints = module.forward(*work, s0, chunk_size, True)
-    grads = module.backward(dout, dstate, *work, checkpoints, chunk_size)
-    return out, state, grads[:3] + (grads[3][..., 0],) + grads[4:]
-
-
-@pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-10), (np.float32, 3e-5)])
-@pytest.mark.parametrize("shape,chunk_size,init", [
-    ((2, 45, 2, 5, 7), 16, True),    # T not a multiple of the chunk: 16 + 16 + 13
-    ((1, 20, 3, 4, 3), 64, False),   # T < chunk (one padded block), no initial state
-    ((1, 150, 1, 3, 6), 100, True),  # chunks longer than BLOCK: 64 + 36 tokens in each
-])
-def test_chunked_matches_reference(chunked, rng, dtype, rtol, shape, chunk_size, init):
-    inputs = make_inputs(rng, *shape, dtype=dtype, init=init)
-    dout = rng.normal(size=inputs[2].shape).astype(dtype)
-    nb, _, nh, nk, nv = shape
-    dstate = rng.normal(size=(nb, nh, nk, nv)).astype(dtype)
-    out, state, grads = _chunked_run(chunked, inputs, dout, dstate, chunk_size)
-    ref_out, ref_state = gated_delta_scan_ref(*inputs)
-    assert_close("out", ref_out, out, rtol)
-    assert_close("state", ref_state, state, rtol)
-    ref_grads = gated_delta_scan_bwd_ref(*inputs, dout, dstate)
-    if not init:  # the reference returns None; the kernel's gradient of the zero state
-        ref_grads = ref_grads[:5] + (gated_delta_scan_bwd_ref(
-            *inputs[:5], np.zeros_like(dstate), dout, dstate)[5],)
-    for name, ref, got in zip(GRAD_NAMES, ref_grads, grads):
-        assert got.dtype == dtype, name
-        assert_close(name, ref, got, rtol)
-
-
-@pytest.mark.parametrize("decay", [0.0, 1.0])
-def test_chunked_decays_of_exactly_zero_and_one(chunked, rng, decay):
-    # A decay of 0 (log-decay -inf) on every third token resets the state; 1 keeps it whole.
-    inputs = make_inputs(rng, 1, 40, 2, 4, 3)
-    inputs[3][:, ::3] = np.log(decay) if decay else -np.inf
-    dout = rng.normal(size=inputs[2].shape)
-    dstate = rng.normal(size=inputs[5].shape)
-    out, state, grads = _chunked_run(chunked, inputs, dout, dstate, 17)
-    ref_out, ref_state = gated_delta_scan_ref(*inputs)
-    assert_close("out", ref_out, out, 1e-10)
-    assert_close("state", ref_state, state, 1e-10)
-    for name, ref, got in zip(GRAD_NAMES, gated_delta_scan_bwd_ref(*inputs, dout, dstate), grads):
-        assert_close(name, ref, got, 1e-10)
-
-
-def test_chunked_is_deterministic(chunked, rng):
-    inputs = make_inputs(rng, 2, 70, 2, 4, 5, dtype=np.float32)
-    dout = rng.normal(size=inputs[2].shape).astype(np.float32)
-    dstate = rng.normal(size=inputs[5].shape).astype(np.float32)
-    first = _chunked_run(chunked, inputs, dout, dstate, 32)
-    second = _chunked_run(chunked, inputs, dout, dstate, 32)
-    for a, b in zip((first[0], first[1], *first[2]), (second[0], second[1], *second[2])):
-        np.testing.assert_array_equal(a, b)
-
-
-def test_chunked_checkpoints_drive_the_recurrent_backward(chunked, rng):
-    # Both forms save the same ctx: the state entering each checkpoint chunk.
-    if "numba" not in lowbit.available_backends():
-        pytest.skip("backend numba unavailable")
-    from lowbit.ops.gated_delta_scan import _numba
-
-    inputs = make_inputs(rng, 1, 40, 2, 4, 3)
-    q, k, v, log_decay, beta, s0 = inputs
-    work = (q, k, v, np.ascontiguousarray(log_decay[..., None]), beta)
-    dout = rng.normal(size=v.shape)
-    dstate = rng.normal(size=s0.shape)
-    _, _, checkpoints = chunked.forward(*work, s0, 16, True)
-    _, _, expected = _numba.forward(*work, s0, 16, True)
-    assert_close("checkpoints", expected, checkpoints, 1e-12)
-    grads = _numba.backward(dout, dstate, *work, checkpoints, 16)
-    grads = grads[:3] + (grads[3][..., 0],) + grads[4:]
-    for name, ref, got in zip(GRAD_NAMES, gated_delta_scan_bwd_ref(*inputs, dout, dstate), grads):
-        assert_close(name, ref, got, 1e-10)
-
-
-def test_numpy_chunked_rule():
-    from lowbit.ops.gated_delta_scan import _numpy
-
-    rule, least = _numpy.use_chunked, _numpy.MIN_BLOCK
-    assert rule(2048, False) and rule(least, False)
-    assert not rule(least - 1, False)   # too few tokens: token by token
-    assert not rule(2048, True)         # per-key decays stay token by token
-
-
-@pytest.mark.parametrize("nt", [3, 4])
-def test_numpy_takes_the_path_of_the_rule(rng, nt):
-    from lowbit.ops.gated_delta_scan import _numpy
-
-    q, k, v, log_decay, beta, s0 = make_inputs(rng, 1, nt, 2, 4, 3, dtype=np.float32)
-    work = (q, k, v, np.ascontiguousarray(log_decay[..., None]), beta)
-    picked = _numpy.forward(*work, s0, 2, True)
-    chunked = _numpy._forward_chunked(*work, s0, 2, True)
-    same = all(np.array_equal(a, b) for a, b in zip(picked, chunked))
-    assert same == _numpy.use_chunked(nt, False)
-
-
-def test_numpy_chunked_inference_equals_training_bitwise(rng):
-    # The blocks do not depend on chunk_size: checkpoints inside a block come from its algebra.
-    inputs = make_inputs(rng, 1, 70, 2, 4, 3, dtype=np.float32)
-    with lowbit.use_backend("numpy"):
-        out, state = lowbit.gated_delta_scan(*inputs)
-        out2, state2, _ = lowbit.gated_delta_scan_forward(*inputs, chunk_size=5)
-    np.testing.assert_array_equal(out, out2)
-    np.testing.assert_array_equal(state, state2)
 
 
 # -- CUDA kernels: several blocks along V -----

@@ -3,13 +3,14 @@
 Backends: ``_numpy.py`` (loop over T, vectorized over batch and head), ``_numba.py`` (parallel
 over batch x head x slices of V), ``_cuda.py`` (launchers for ``cuda/gated_delta_scan.cu``).
 The chunked (WY / UT) form of the same function, matrix products within blocks of 64 tokens,
-is chosen by this rule: the numpy backend runs it for one decay per head and T >= 4
+is chosen by each backend's rule: the numpy backend runs it for one decay per head and T >= 4
 (``_numpy.use_chunked``; forward 1.7-1.9x, backward 2.2-4.9x its token loop); the numba backend
-never does: ``_numba_chunked.py`` measured forward 0.9-1.0x, backward 0.55x of the token-by-token
-kernels (B = 4, T = 2048, H = 8, K = V = 64, 2-core AMD EPYC; ``_numba.py`` has the figures and
-why the form cannot pay there).
-Reference: ``reference/gated_delta_scan.py``; tests: ``tests/test_gated_delta_scan.py``;
-benchmark: ``bench/scan.py``.
+for float32 with K = V = 64 on AVX-512, one decay per head and T >= 128 (``_numba.use_chunked``:
+``_numba_chunked.py``, its products on the register tiles; forward 1.5-2.1x, backward 1.2-1.4x
+the token-by-token kernels at B = 4, T = 2048, H = 8 on a 2-core AMD EPYC; ``_numba.py`` has the
+figures at other shapes); elsewhere the token-by-token kernels run.
+Reference: ``reference/gated_delta_scan.py``; tests: ``tests/test_gated_delta_scan.py`` and
+``tests/test_gated_delta_scan_chunked.py``; benchmark: ``bench/scan.py``.
 
 For every batch, head and token t, with the state S of shape [K, V] (always carried in the
 input dtype, float32 or float64):

@@ -1,7 +1,8 @@
 """Gated delta rule in Numba: parallel over batch x head x slices of V (the state's columns evolve
 independently), sequential over T, each task's state slice in a local array.
 
-Siblings: ``_numpy.py`` (same signatures), ``_cuda.py``; reference
+Siblings: ``_numpy.py`` (same signatures), ``_numba_chunked.py`` (the chunked form, run by
+``use_chunked``), ``_cuda.py``; reference
 ``reference/gated_delta_scan.py``. The backward sweeps the chunks in reverse, recomputing from
 the chunk's checkpoint each token's decayed state and residual into task-local buffers. dq, dk,
 dlog_decay and dbeta sum over V, so with several slices each slice writes its own partial row
@@ -13,19 +14,28 @@ the recompute derives token t + 1's decayed state and residual from token t's in
 the reverse sweep gets ddelta = (ds + q do^T)^T k = ds^T k + (q.k) do before its pass, the
 ds^T k part accumulated by the previous (later) token's pass as it writes ds.
 
-``forward`` and ``backward`` run these kernels for every shape. The chunked form of the same
-function (``_numba_chunked.py``: matrix products within blocks of 64 tokens) is no faster on the
-CPU it was built on (AMD EPYC, Zen 5, AVX-512, 2 cores; B = 4, T = 2048, H = 8, K = V = 64,
-float32, interleaved runs, process CPU time): forward 0.9-1.0x and backward 0.55x of these
-kernels, which already run at about 40-50 (forward) and 65-80 (backward) GFLOP/s per core. The
-chunked form needs at least the three products with the state (Q S, K S, (b K).T delta: 3 K V
-multiply-adds per token) plus the block terms, 21K multiply-adds per token and head in 64-token
-blocks against the forward kernel's 16K vector operations; 2.5x would take ~160 GFLOP/s per
-core, above OpenBLAS's large sgemm here (~125) and far above Numba's loops on 64-long products
-(a 4 x 4 register-tile kernel: 90 alone, ~60 inside the block algebra; every product in such
-tiles measured 0.9-1.0x forward too). Smaller blocks cut the block terms but shorten the sums
-(the tile at 32 / 16: 54 / 30 GFLOP/s). So nothing selects it; it stays callable (tests,
-``bench/scan.py``).
+``forward`` and ``backward`` run the chunked form of the same function instead
+(``_numba_chunked.py``: matrix products within blocks of 64 tokens, on the AVX-512 register
+tiles) where it is faster, by ``use_chunked``: float32 with K = V = 64 on a CPU with AVX-512
+(``_numba_chunked.USE_FMA``; through BLAS the form runs 0.9x forward, 0.6x backward at B = 4,
+T = 2048, H = 8), one decay per head, T >= ``CHUNKED_MIN_TOKENS``; the forward when its
+checkpoint chunks hold whole blocks (chunk_size >= 64, or no checkpoints), the backward only at
+chunk_size = 64 (a longer chunk recomputes its states block by block). Measured on a 2-core
+AMD EPYC (Zen 5, AVX-512), float32, K = V = 64, chunked over these kernels in the same
+process, interleaved, median of 5:
+
+    B, T, H        chunk   forward   backward
+    4, 2048, 8     64      1.94x     1.28x
+    1, 2048, 1     64      2.71x     2.47x
+    2, 256, 2      64      1.75x     1.14x
+    1, 128, 2      64      2.64x     2.26x
+    1, 64, 4       64      1.64x     1.41x      (not taken: one block, T = 65 would pad a second)
+    2, 1024, 8     128     1.90x     0.97x
+    2, 1024, 8     32      0.97x     0.60x      (blocks cut at every chunk)
+    2, 1000, 8     100     1.50x     0.79x
+
+Both forms save the same checkpoints, so either backward takes either forward's ctx. Elsewhere
+(float64, per-key decays, other K or V, no AVX-512) these kernels run.
 """
 
 import math
@@ -34,6 +44,7 @@ import numba
 import numpy as np
 
 from ... import _backend
+from . import _numba_chunked
 
 #: Fewest state columns per task; narrower slices would starve the SIMD lanes.
 MIN_SLICE = 8
@@ -58,6 +69,28 @@ def _aligned_empty(size, like):
     raw = np.empty(size + LINE // like.itemsize, like.dtype)
     skip = (LINE - np.intp(raw.ctypes.data) % LINE) % LINE // like.itemsize
     return raw[skip:skip + size]
+
+
+#: Fewest tokens for the chunked kernels: shorter scans are mostly padding of one block.
+CHUNKED_MIN_TOKENS = 2 * _numba_chunked.BLOCK
+
+
+def use_chunked(backward, dtype, nt, nk, nv, per_key, span):
+    """Whether ``forward`` (``backward`` False) or ``backward`` runs the chunked kernels.
+
+    Args:
+        backward: the backward's rule, else the forward's.
+        dtype: the inputs' dtype; nt, nk, nv: T, K, V.
+        per_key: log_decay is [B, T, H, K] (the chunked form takes one decay per head).
+        span: tokens between checkpoints (T for a forward that keeps none).
+
+    Returns:
+        True where the chunked kernels are the faster form (the rule of the module docstring).
+    """
+    block = _numba_chunked.BLOCK
+    fits = (_numba_chunked.USE_FMA and _numba_chunked.tiles_fit(dtype, nk, nv, block)
+            and not per_key and nt >= CHUNKED_MIN_TOKENS)
+    return fits and (span == block if backward else span >= block)
 
 
 def _slice_width(nb, nh, nv):
@@ -276,7 +309,17 @@ def _backward_task(q, k, v, log_decay, beta, checkpoints, dout, dstate, chunk, w
 
 
 def forward(q, k, v, log_decay, beta, initial_state, chunk_size, keep_checkpoints):
-    """Same contract as ``_numpy.forward``."""
+    """Same contract as ``_numpy.forward``: the chunked kernels where ``use_chunked``, else the
+    token-by-token ones (``recurrent_forward``)."""
+    nt, nk, nv = q.shape[1], q.shape[3], v.shape[3]
+    chunked = use_chunked(False, q.dtype, nt, nk, nv, log_decay.shape[3] > 1,
+                          chunk_size if keep_checkpoints else nt)
+    return (_numba_chunked.forward if chunked else recurrent_forward)(
+        q, k, v, log_decay, beta, initial_state, chunk_size, keep_checkpoints)
+
+
+def recurrent_forward(q, k, v, log_decay, beta, initial_state, chunk_size, keep_checkpoints):
+    """``forward`` through the token-by-token kernels, whatever the shape."""
     nb, nt, nh, nk = q.shape
     nv = v.shape[3]
     out = _backend.empty((nb, nt, nh, nv), q.dtype)
@@ -298,7 +341,16 @@ def _sum_slices(partial):
 
 
 def backward(dout, dstate, q, k, v, log_decay, beta, checkpoints, chunk_size):
-    """Same contract as ``_numpy.backward``."""
+    """Same contract as ``_numpy.backward``: the chunked kernels where ``use_chunked``, else the
+    token-by-token ones (``recurrent_backward``)."""
+    chunked = use_chunked(True, q.dtype, q.shape[1], q.shape[3], v.shape[3],
+                          log_decay.shape[3] > 1, chunk_size)
+    return (_numba_chunked.backward if chunked else recurrent_backward)(
+        dout, dstate, q, k, v, log_decay, beta, checkpoints, chunk_size)
+
+
+def recurrent_backward(dout, dstate, q, k, v, log_decay, beta, checkpoints, chunk_size):
+    """``backward`` through the token-by-token kernels, whatever the shape."""
     nb, nt, nh, nk = q.shape
     nv = v.shape[3]
     width = _slice_width(nb, nh, nv)

@@ -1,14 +1,15 @@
-"""Chunked (WY / UT) gated delta rule in Numba: within a block of tokens, matrix products through
-BLAS; across blocks, the state recurrence. Parallel over batch x head. Not selected by the numba
-backend (``_numba.py`` has the measurements and why).
+"""Chunked (WY / UT) gated delta rule in Numba: within a block of tokens, matrix products;
+across blocks, the state recurrence. Parallel over batch x head. The numba backend runs it where
+it is faster than its token-by-token kernels (``_numba.use_chunked``: float32, K = V = 64, on
+AVX-512; ``_numba.py`` has the rule and the measurements).
 
-Siblings: ``_numba.py`` (the token-by-token kernels the numba backend runs; its docstring has the
-measurements that keep this form unselected on the CPU it was built on), ``_numpy.py``;
-reference ``reference/gated_delta_scan.py``; tests ``tests/test_gated_delta_scan.py``; timed in
-``bench/scan.py`` against the token-by-token kernels and flash-linear-attention's torch peer.
-``forward`` and ``backward`` keep the backend contract of ``_numpy.py`` for one decay per head
-(log_decay [B, T, H, 1]): the pairwise decays of per-key gates would cost one product per key
-and pair, as much work as the recurrence.
+Siblings: ``_numba_chunked_tiles.py`` (the products: AVX-512 tiles or BLAS), ``_numba.py`` (the
+token-by-token kernels, and the rule that picks between the two forms), ``_numpy.py``;
+reference ``reference/gated_delta_scan.py``; tests ``tests/test_gated_delta_scan_chunked.py``;
+timed in ``bench/scan.py`` against the token-by-token kernels and flash-linear-attention's
+torch peer. ``forward`` and ``backward`` keep the backend contract of ``_numpy.py`` for one
+decay per head (log_decay [B, T, H, 1]): the pairwise decays of per-key gates would cost one
+product per key and pair, as much work as the recurrence.
 
 For one block of n tokens entering with state S0 [K, V] (Yang et al., Gated Delta Networks; the
 form of flash-linear-attention's ``chunk_gated_delta_rule``), with D[t, s] the product of the
@@ -32,65 +33,47 @@ allocated once per task. The backward recomputes each block from the state enter
 forward's checkpoint, or, inside a checkpoint chunk longer than ``BLOCK``, states recomputed
 block by block from the checkpoint into a task-local buffer.
 
-The products call SciPy's BLAS ``?gemm`` directly (by symbol, so the functions stay cacheable):
-``np.dot`` in Numba allocates every result and cannot accumulate into a view. A is solved four
-rows at a time: each group of rows takes its product with the rows above from 4 x 4 register
-tiles (``_tile``), then is solved within itself. Row by row, every update went through one row
-in memory, a chain of store-to-load latencies: 1.15x slower forward, 1.07x backward (1 thread,
-B = 1, T = 2048, H = 8, K = V = 64, float32).
+The products (``_numba_chunked_tiles.product``) run on the AVX-512 register tiles of
+``lowbit/ops/packed_matmul/_numba/_fma.py`` for float32 with K = V = 64 where ``USE_FMA``, else
+through SciPy's BLAS ``?gemm`` (called by symbol: ``np.dot`` in Numba allocates every result and
+cannot accumulate into a view). Their right operands are row-major, so the kernels keep k.T,
+delta.T, S0.T and ds.T; the triangular ones (A, tril(D * (Q @ K.T)) and their transposes) skip
+the zeros on the tiles. A is solved four rows at a time: each group of rows takes its product
+with the rows above (the tiles, else 4 x 4 register tiles against A.T, ``_tile``), then is
+solved within itself; row by row, every update went through one row in memory, a chain of
+store-to-load latencies (1.15x slower forward, 1.07x backward through BLAS).
+
+Where the time goes (one thread, K = V = 64, float32, on the tiles; microseconds per block of
+64 tokens, measured section by section on a Zen 5 EPYC): forward ~22, of which the set-up ~15
+(the products [Q; K] @ S0 and [Q; K] @ K.T 8, A 1.6, delta 1.8, the loads, decays and k.T 2.6),
+the output rows 3.6 and the state update 2.8; backward ~47, the set-up recomputed (~12: it
+leaves out Q @ S0, whose one use, do . (q @ S0), is q . (do @ S0.T) from dq's product) and ~35
+of its own: eleven products ~27, the pairwise decay-gradient loops ~3, transposes ~1.2, loads
+and stores ~3. A full 64 x 64 x 64 product takes 2.1 us on the tiles (~250 GFLOP/s), a
+triangular one 1.75 (its six-row tiles pay per call). The token-by-token kernels take ~41-55
+us a block forward and ~80 backward, so the products alone (~13 us forward, ~35 backward) put
+2.5x out of reach at this tile rate (``_numba.py`` has the measured ratios).
 """
 
 import math
 
-import llvmlite.binding
 import numba
 import numpy as np
-from numba import types
-from numba.extending import get_cython_function_address
 
 from ... import _backend
+from ..packed_matmul._numba import _fma
+from ._numba_chunked_tiles import product, tiles_fit, transpose, triangular_product, uses_tiles
+
+# The tile path calls the tiles of ``_fma.py``, which Numba's cache does not key on.
+_backend.numba_cache_guard(__file__, _fma.__file__)
 
 #: Tokens per block: flash-linear-attention's default and the default checkpoint chunk, so the
 #: backward needs no states between checkpoints; 16 and 32 were no faster at K = V = 64 (fewer
 #: multiply-adds, but smaller products and more calls).
 BLOCK = 64
 
-for _name in ("sgemm", "dgemm"):
-    llvmlite.binding.add_symbol(f"lowbit_{_name}",
-                                get_cython_function_address("scipy.linalg.cython_blas", _name))
-# Fortran ?gemm(transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc): every argument a
-# pointer, passed as an address.
-_SGEMM = types.ExternalFunction("lowbit_sgemm", types.void(*([types.intp] * 13)))
-_DGEMM = types.ExternalFunction("lowbit_dgemm", types.void(*([types.intp] * 13)))
-_NO, _YES = ord("N"), ord("T")
-_INT = 4  # bytes of a Fortran integer in SciPy's LP64 BLAS
-
-
-@numba.njit(cache=True)
-def _mm(a, ta, b, tb, c, beta, ints, scalars):
-    """c = op(a) @ op(b) + beta * c for row-major 2-D arrays (rows may be strided, columns
-    contiguous); op transposes when ta / tb. ints: int32 [8], scalars: [2] of c's dtype."""
-    m, n = c.shape
-    item = c.itemsize
-    # Row-major c is column-major c.T = op(b).T @ op(a).T: b goes first.
-    ints[0] = n
-    ints[1] = m
-    ints[2] = a.shape[0] if ta else a.shape[1]
-    ints[3] = b.strides[0] // item
-    ints[4] = a.strides[0] // item
-    ints[5] = c.strides[0] // item
-    ints[6] = _YES if tb else _NO
-    ints[7] = _YES if ta else _NO
-    scalars[0] = 1
-    scalars[1] = beta
-    i = ints.ctypes.data
-    s = scalars.ctypes.data
-    args = (i + 6 * _INT, i + 7 * _INT, i, i + _INT, i + 2 * _INT, s, b.ctypes.data,
-            i + 3 * _INT, a.ctypes.data, i + 4 * _INT, s + item, c.ctypes.data, i + 5 * _INT)
-    if item == 4:
-        _SGEMM(*args)
-    else:
-        _DGEMM(*args)
+#: Whether float32 with K = V = 64 runs the AVX-512 register tiles (``tiles_fit``), else BLAS.
+USE_FMA = _fma.AVAILABLE
 
 
 # reassoc lets each sum over p run in SIMD lanes: the 16 sums stay in registers.
@@ -141,27 +124,33 @@ def _workspace(nk, nv, dtype):
             np.empty((n, nk), dtype),       # 8 b * k
             np.empty((3, n), dtype),        # 9 beta, a, b
             np.zeros(n, np.float64),        # 10 a row of D being formed
-            np.empty(8, np.int32),          # 11 _mm's integers
-            np.empty(2, dtype),             # 12 _mm's scalars
+            np.empty(8, np.int32),          # 11 BLAS's integers
+            np.empty(2, dtype),             # 12 BLAS's scalars
             np.zeros((n, n), dtype),        # 13 L = diag(beta) M (strict lower triangle)
-            np.zeros((n, n), dtype))        # 14 A.T
+            np.zeros((n, n), dtype),        # 14 A.T
+            np.empty((nk, n), dtype),       # 15 k.T
+            np.empty((nv, n), dtype))       # 16 delta.T (the backward's)
 
 
 @numba.njit(cache=True)
-def _setup(q, k, v, log_decay, beta, b, h, t0, n, s0, ws):
-    """Fill ws with the block of n <= BLOCK tokens from t0 entering with state s0, up to delta."""
-    qk2, proj, gram, decay, inv, x, bx, delta, kt, coef, row, ints, scal, low, inv_t = ws
+def _setup(q, k, v, log_decay, beta, b, h, t0, n, s0, ws, tiles, with_q):
+    """Fill ws with the block of n <= BLOCK tokens from t0 entering with state s0, up to delta;
+    q @ S0 (proj's first rows) only ``with_q`` (the backward takes that term from dq's product)."""
+    qk2, proj, gram, decay, inv, x, bx, delta, kt, coef, row, ints, scal, low, inv_t, k_t, _ = ws
+    blas = ints, scal
     big = BLOCK
     nk = q.shape[3]
+    nv = x.shape[1]
+    # Element loops: a row assignment per token (a view and its checks each) took 4.6 us of the
+    # block's 25 at K = V = 64 (the row loads and stores of the forward and backward alike).
     for t in range(big):
-        if t < n:
-            qk2[t] = q[b, t0 + t, h]
-            qk2[big + t] = k[b, t0 + t, h]
-            x[t] = v[b, t0 + t, h]
-        else:
-            qk2[t] = 0
-            qk2[big + t] = 0
-            x[t] = 0
+        live = t < n
+        for i in range(nk):
+            qk2[t, i] = q[b, t0 + t, h, i] if live else 0
+            qk2[big + t, i] = k[b, t0 + t, h, i] if live else 0
+        for j in range(nv):
+            x[t, j] = v[b, t0 + t, h, j] if live else 0
+    transpose(qk2[big:], k_t)
     total = 1.0
     for t in range(big):
         gamma = math.exp(np.float64(log_decay[b, t0 + t, h, 0])) if t < n else 1.0
@@ -177,18 +166,25 @@ def _setup(q, k, v, log_decay, beta, b, h, t0, n, s0, ws):
         coef[2, s] = decay[big - 1, s]
         for i in range(nk):
             kt[s, i] = coef[2, s] * qk2[big + s, i]
-    _mm(qk2, False, s0, False, proj, 0, ints, scal)
-    _mm(qk2, False, qk2[big:], True, gram, 0, ints, scal)
+    if with_q:
+        product(qk2, 2 * big, nk, False, s0, proj, False, tiles, blas)
+    else:
+        product(qk2[big:], big, nk, False, s0, proj[big:], False, tiles, blas)
+    product(qk2, 2 * big, nk, False, k_t, gram, False, tiles, blas)
     # A = (I + L)^-1, L = diag(beta) M, by blocked forward substitution: rows r0 .. r0 + 3 are
-    # E - L[rows, :r0] @ A[:r0] (register tiles against A.T), then solved among themselves.
-    # A row by row would chain every update through the same row in memory (latency bound).
+    # E - L[rows, :r0] @ A[:r0] (the AVX-512 tiles, else 4 x 4 register tiles against A.T), then
+    # solved among themselves. A row by row would chain every update through the same row in
+    # memory (latency bound).
     for t in range(big):
         for s in range(t):
             low[t, s] = coef[0, t] * decay[t, s] * gram[big + t, s]
     scal[1] = 0  # a zero of the input dtype for the tiles' sums
     for r0 in range(0, big, 4):
-        for j0 in range(0, r0, 4):
-            _tile(low, inv_t, r0, inv, r0, j0, scal[1])
+        if uses_tiles(tiles):
+            product(low[r0:], 4, r0, False, inv, inv[r0:], False, tiles, blas)
+        else:
+            for j0 in range(0, r0, 4):
+                _tile(low, inv_t, r0, inv, r0, j0, scal[1])
         for t in range(r0, r0 + 4):
             arow = inv[t]
             for j in range(r0):
@@ -200,9 +196,9 @@ def _setup(q, k, v, log_decay, beta, b, h, t0, n, s0, ws):
                 prev = inv[u]
                 for j in range(u + 1):
                     arow[j] -= c * prev[j]
-            for j in range(t + 1):
-                inv_t[j, t] = arow[j]
-    nv = x.shape[1]
+            if not uses_tiles(tiles):  # the 4 x 4 tiles' operand
+                for j in range(t + 1):
+                    inv_t[j, t] = arow[j]
     for t in range(big):
         at = coef[1, t]
         bt = coef[0, t]
@@ -210,27 +206,45 @@ def _setup(q, k, v, log_decay, beta, b, h, t0, n, s0, ws):
             xv = x[t, j] - at * proj[big + t, j]
             x[t, j] = xv
             bx[t, j] = bt * xv
-    _mm(inv, False, bx, False, delta, 0, ints, scal)
+    triangular_product(inv, big, False, False, bx, delta, False, tiles, blas)
 
 
 @numba.njit(cache=True)
-def _advance(s, ws):
+def _advance(s, ws, tiles):
     """s <- the state after the block (in place): a_{n-1} s + (b * k).T @ delta."""
-    delta, kt, coef, ints, scal = ws[7], ws[8], ws[9], ws[11], ws[12]
+    delta, kt, coef, blas = ws[7], ws[8], ws[9], (ws[11], ws[12])
     s *= coef[1, BLOCK - 1]
-    _mm(kt, True, delta, False, s, 1, ints, scal)
+    product(kt, s.shape[0], BLOCK, True, delta, s, True, tiles, blas)
+
+
+@numba.njit(cache=True)
+def _block_forward(out, b, h, t0, n, ws, tiles):
+    """Write the output rows of the block set up in ws: a * (q @ S0) + P @ delta."""
+    proj, gram, decay, o, delta, coef = ws[1], ws[2], ws[3], ws[6], ws[7], ws[9]
+    big = BLOCK
+    nv = o.shape[1]
+    # P = tril(D * (q @ k.T)) in place of q @ k.T; o starts as a * (q @ S0).
+    for t in range(big):
+        for r in range(t + 1):
+            gram[t, r] *= decay[t, r]
+        for r in range(t + 1, big):
+            gram[t, r] = 0
+        for j in range(nv):
+            o[t, j] = coef[1, t] * proj[t, j]
+    triangular_product(gram, big, False, False, delta, o, True, tiles, (ws[11], ws[12]))
+    for t in range(n):
+        for j in range(nv):
+            out[b, t0 + t, h, j] = o[t, j]
 
 
 @numba.njit(parallel=True, cache=True)
-def _forward(q, k, v, log_decay, beta, s0, span, out, final, checkpoints, keep):
+def _forward(q, k, v, log_decay, beta, s0, span, out, final, checkpoints, keep, tiles):
     nb, nt, nh, nk = q.shape
     nv = v.shape[3]
     big = BLOCK
     for task in numba.prange(nb * nh):
         b, h = task // nh, task % nh
         ws = _workspace(nk, nv, q.dtype)
-        proj, gram, decay, o, delta, coef, ints, scal = (ws[1], ws[2], ws[3], ws[6], ws[7],
-                                                         ws[9], ws[11], ws[12])
         s = s0[b, h].copy()
         for c in range(-(-nt // span)):
             if keep:
@@ -238,46 +252,40 @@ def _forward(q, k, v, log_decay, beta, s0, span, out, final, checkpoints, keep):
             end = min(nt, (c + 1) * span)
             for t0 in range(c * span, end, big):
                 n = min(big, end - t0)
-                _setup(q, k, v, log_decay, beta, b, h, t0, n, s, ws)
-                # P = tril(D * (q @ k.T)) in place of q @ k.T; o starts as a * (q @ S0).
-                for t in range(big):
-                    for r in range(t + 1):
-                        gram[t, r] *= decay[t, r]
-                    for r in range(t + 1, big):
-                        gram[t, r] = 0
-                    for j in range(nv):
-                        o[t, j] = coef[1, t] * proj[t, j]
-                _mm(gram[:big], False, delta, False, o, 1, ints, scal)
-                for t in range(n):
-                    out[b, t0 + t, h] = o[t]
-                _advance(s, ws)
+                _setup(q, k, v, log_decay, beta, b, h, t0, n, s, ws, tiles, True)
+                _block_forward(out, b, h, t0, n, ws, tiles)
+                _advance(s, ws, tiles)
         final[b, h] = s
 
 
-@numba.njit(cache=True)
-def _block_backward(dout, b, h, t0, n, s0, ds, ws, gs, dq, dk, dv, dlog, dbeta):
+# reassoc lets the sums over V, K and the pairs run in SIMD lanes (the per-token loops 10.4 ->
+# 6.9 us a block; deterministic still: the order is fixed when the kernel compiles).
+@numba.njit(cache=True, fastmath={"reassoc"})
+def _block_backward(dout, b, h, t0, n, s0, ds, ws, gs, dq, dk, dv, dlog, dbeta, tiles):
     """Gradients of the block set up in ws: write its rows; ds <- the gradient of the state
     entering it. gs: the backward's buffers (``_backward``)."""
-    qk2, proj, gram, decay, inv, x, _, delta, kt, coef, _, ints, scal, _, _ = ws
-    ydo, dz, pair, e, dd, r2, w2, dg, s_prev = gs
+    qk2, proj, gram, decay, inv, x, _, delta, kt, coef, _, ints, scal, _, _, _, delta_t = ws
+    blas = ints, scal
+    ydo, dz, pair, e, dd, r2, tri, dkk, dg, s_prev, s0_t, ds_t = gs
     big = BLOCK
     nk = qk2.shape[1]
     nv = x.shape[1]
-    for t in range(big):
-        if t < n:
-            ydo[big + t] = dout[b, t0 + t, h]
-        else:
-            ydo[big + t] = 0
+    for t in range(big):  # element loops: see _setup
+        for j in range(nv):
+            ydo[big + t, j] = dout[b, t0 + t, h, j] if t < n else 0
     do = ydo[big:]
-    # P = tril(D * (q @ k.T)) for ddelta = P.T @ do + (b * k) @ ds.
+    # P = tril(D * (q @ k.T)) for ddelta = P.T @ do + (b * k) @ ds. tri and dkk are written
+    # only in their lower triangles: the rest stays the zeros they were allocated with.
     for t in range(big):
-        for r in range(big):
-            w2[t, r] = gram[t, r] * decay[t, r] if r <= t else 0
-    _mm(kt, False, ds, False, dd, 0, ints, scal)
-    _mm(w2[:, :big], True, do, False, dd, 1, ints, scal)
-    _mm(inv, True, dd, False, ydo[:big], 0, ints, scal)   # y
-    _mm(ydo, False, delta, True, pair, 0, ints, scal)     # y @ delta.T, then do @ delta.T
-    _mm(delta, False, ds, True, e, 0, ints, scal)
+        for r in range(t + 1):
+            tri[t, r] = gram[t, r] * decay[t, r]
+    transpose(delta, delta_t)
+    transpose(ds, ds_t)
+    product(kt, big, nk, False, ds, dd, False, tiles, blas)
+    triangular_product(tri, big, True, True, do, dd, True, tiles, blas)
+    triangular_product(inv, big, True, True, dd, ydo, False, tiles, blas)  # y
+    product(ydo, 2 * big, nv, False, delta_t, pair, False, tiles, blas)  # [y; do] @ delta.T
+    product(delta, big, nv, False, ds_t, e, False, tiles, blas)
     # dz = [do; -beta * y]: the products with S0.T and with the a-scaled q and k.
     dg[:] = 0
     for t in range(big):
@@ -290,22 +298,24 @@ def _block_backward(dout, b, h, t0, n, s0, ds, ws, gs, dq, dk, dv, dlog, dbeta):
             z = -bt * yj
             dz[big + t, j] = z
             dz[t, j] = do[t, j]
-            da += do[t, j] * proj[t, j] + z * proj[big + t, j]
-        # w2 = [dqk.T | dkk], the gradients of q @ k.T and of the symmetric k @ k.T.
-        for s in range(big):
-            w2[t, s] = 0
-            w2[t, big + s] = 0
-        for s in range(t):
-            dbt -= decay[t, s] * gram[big + t, s] * pair[t, s]
+            da += z * proj[big + t, j]  # the do . (q @ S0) part comes with r2
+        # tri = dqk, the gradient of q @ k.T (lower); dkk that of k @ k.T, whose symmetric
+        # gradient is dkk + dkk.T (dkk strictly lower).
         # D[t, s] grows with G_t and shrinks with G_s. The diagonal (D = 1) and the last token's
         # b = 1 would add and take away the same term: left out, so tiny gradients (decays near
         # 0) keep no rounding of O(1) terms.
+        grow = 0.0
         for s in range(t):
-            dgram = -bt * pair[t, s] * gram[big + t, s] + gram[t, s] * pair[big + t, s]
-            w = dgram * decay[t, s]
-            dg[t] += w
+            dec = decay[t, s]
+            pd = pair[t, s] * dec
+            dbt -= pd * gram[big + t, s]
+            dkk[t, s] = -bt * pd
+            w = (-bt * pair[t, s] * gram[big + t, s] + gram[t, s] * pair[big + t, s]) * dec
+            grow += w
             dg[s] -= w
-        dg[t] += da * coef[1, t]
+        for s in range(t + 1):
+            tri[t, s] = pair[big + t, s] * decay[t, s]
+        dg[t] += grow + da * coef[1, t]
         if t < big - 1:
             db = 0.0
             for i in range(nk):
@@ -316,27 +326,27 @@ def _block_backward(dout, b, h, t0, n, s0, ds, ws, gs, dq, dk, dv, dlog, dbeta):
             dbeta[b, t0 + t, h] = dbt
             for j in range(nv):
                 dv[b, t0 + t, h, j] = -dz[big + t, j]
-    for t in range(big):
-        for s in range(t + 1):
-            dp = pair[big + t, s] * decay[t, s]
-            w2[s, t] = dp  # dqk.T
-        for s in range(t):
-            dm = -coef[0, t] * pair[t, s] * decay[t, s]
-            w2[t, big + s] += dm
-            w2[s, big + t] += dm
-    _mm(dz, False, s0, True, r2, 0, ints, scal)
+    transpose(s0, s0_t)
+    product(dz, 2 * big, nv, False, s0_t, r2, False, tiles, blas)
     for t in range(big):
         at = coef[1, t]
         bs = coef[2, t]
+        dqs = 0.0  # do_t . (q_t @ S0) = q_t . (do_t @ S0.T)
         for i in range(nk):
+            dqs += qk2[t, i] * r2[t, i]
             r2[t, i] *= at
             r2[big + t, i] = at * r2[big + t, i] + bs * e[t, i]
-    # dq = dqk @ k + a * (do @ S0.T); dk = [dqk.T | dkk] @ [q; k] + ...
-    _mm(w2[:, :big], True, qk2[big:], False, r2[:big], 1, ints, scal)
-    _mm(w2, False, qk2, False, r2[big:], 1, ints, scal)
+        dg[t] += dqs * at
+    # dq = dqk @ k + a * (do @ S0.T); dk = dqk.T @ q + (dkk + dkk.T) @ k + ...
+    k_rows = qk2[big:]
+    triangular_product(tri, big, False, False, k_rows, r2, True, tiles, blas)
+    triangular_product(tri, big, True, True, qk2, r2[big:], True, tiles, blas)
+    triangular_product(dkk, big, False, False, k_rows, r2[big:], True, tiles, blas)
+    triangular_product(dkk, big, True, True, k_rows, r2[big:], True, tiles, blas)
     for t in range(n):
-        dq[b, t0 + t, h] = r2[t]
-        dk[b, t0 + t, h] = r2[big + t]
+        for i in range(nk):
+            dq[b, t0 + t, h, i] = r2[t, i]
+            dk[b, t0 + t, h, i] = r2[big + t, i]
     acc = 0.0
     total = 0.0
     for i in range(nk):
@@ -353,7 +363,7 @@ def _block_backward(dout, b, h, t0, n, s0, ds, ws, gs, dq, dk, dv, dlog, dbeta):
         for i in range(nk):
             s_prev[t, i] = at * qk2[t, i]
     ds *= coef[1, big - 1]
-    _mm(s_prev, True, dz, False, ds, 1, ints, scal)
+    product(s_prev, nk, 2 * big, True, dz, ds, True, tiles, blas)
 
 
 @numba.njit(cache=True)
@@ -365,14 +375,17 @@ def _grad_workspace(nk, nv, dtype):
             np.empty((n, nk), dtype),       # e = delta @ ds.T
             np.empty((n, nv), dtype),       # ddelta
             np.empty((2 * n, nk), dtype),   # r2: dq rows, then dk rows
-            np.empty((n, 2 * n), dtype),    # w2
+            np.zeros((n, n), dtype),        # tri: P, then dqk (lower triangles)
+            np.zeros((n, n), dtype),        # dkk (strict lower triangle)
             np.empty(n, np.float64),        # dg: gradient of each G_t
-            np.empty((2 * n, nk), dtype))   # a * [q; k]
+            np.empty((2 * n, nk), dtype),   # a * [q; k]
+            np.empty((nv, nk), dtype),      # S0.T
+            np.empty((nv, nk), dtype))      # ds.T
 
 
 @numba.njit(parallel=True, cache=True)
 def _backward(q, k, v, log_decay, beta, checkpoints, dout, dstate, span,
-              dq, dk, dv, dlog, dbeta, dinit):
+              dq, dk, dv, dlog, dbeta, dinit, tiles):
     nb, nt, nh, nk = q.shape
     nv = v.shape[3]
     big = BLOCK
@@ -389,15 +402,24 @@ def _backward(q, k, v, log_decay, beta, checkpoints, dout, dstate, span,
             states[0] = checkpoints[b, h, c]
             for m in range(nsub - 1):
                 states[m + 1] = states[m]
-                _setup(q, k, v, log_decay, beta, b, h, start + m * big, big, states[m], ws)
-                _advance(states[m + 1], ws)
+                _setup(q, k, v, log_decay, beta, b, h, start + m * big, big, states[m], ws,
+                       tiles, False)
+                _advance(states[m + 1], ws, tiles)
             for m in range(nsub - 1, -1, -1):
                 t0 = start + m * big
                 n = min(big, end - t0)
-                _setup(q, k, v, log_decay, beta, b, h, t0, n, states[m], ws)
+                _setup(q, k, v, log_decay, beta, b, h, t0, n, states[m], ws, tiles, False)
                 _block_backward(dout, b, h, t0, n, states[m], ds, ws, gs,
-                                dq, dk, dv, dlog, dbeta)
+                                dq, dk, dv, dlog, dbeta, tiles)
         dinit[b, h] = ds
+
+
+def _tiles(dtype, nk, nv):
+    """The kernels' ``tiles`` (``_numba_chunked_tiles``): whether float32 runs the register tiles
+    (``USE_FMA`` and ``tiles_fit``); None for other dtypes, whose kernels hold BLAS alone."""
+    if dtype != np.float32:
+        return None
+    return bool(USE_FMA and tiles_fit(dtype, nk, nv, BLOCK))
 
 
 def forward(q, k, v, log_decay, beta, initial_state, chunk_size, keep_checkpoints):
@@ -411,7 +433,7 @@ def forward(q, k, v, log_decay, beta, initial_state, chunk_size, keep_checkpoint
                                  q.dtype)
     with _backend.single_threaded_blas():
         _forward(q, k, v, log_decay, beta, initial_state, span, out, final, checkpoints,
-                 keep_checkpoints)
+                 keep_checkpoints, _tiles(q.dtype, nk, nv))
     return out, final, (checkpoints if keep_checkpoints else None)
 
 
@@ -420,5 +442,6 @@ def backward(dout, dstate, q, k, v, log_decay, beta, checkpoints, chunk_size):
     grads = [_backend.empty(a.shape, q.dtype) for a in (q, k, v, log_decay, beta)]
     dinit = _backend.empty(dstate.shape, q.dtype)
     with _backend.single_threaded_blas():
-        _backward(q, k, v, log_decay, beta, checkpoints, dout, dstate, chunk_size, *grads, dinit)
+        _backward(q, k, v, log_decay, beta, checkpoints, dout, dstate, chunk_size, *grads, dinit,
+                  _tiles(q.dtype, q.shape[3], v.shape[3]))
     return (*grads, dinit)
