@@ -184,6 +184,27 @@ def test_chunked_products_at_k64_v64(chunked_products):
         np.testing.assert_array_equal(a, b)
 
 
+def test_chunked_forward_forgets_at_a_zero_decay_k64(chunked_products, rng):
+    # A decay of exactly 0 at token 100 (inside a block) leaves nothing of what came before: the
+    # output from token 100 on and the final state must not change, bit for bit, when the
+    # earlier tokens and the initial state do (every term through the zero decay an exact zero).
+    inputs = make_inputs(rng, 1, 150, 1, 64, 64, dtype=np.float32)
+    inputs[3][:, 100] = -np.inf
+    other = [a.copy() for a in inputs]
+    for a in other[:3]:
+        a[:, :100] = rng.normal(size=a[:, :100].shape)
+    other[5] = rng.normal(size=other[5].shape).astype(np.float32)
+    runs = []
+    for q, k, v, log_decay, beta, s0 in (inputs, other):
+        runs.append(chunked_products.forward(q, k, v, np.ascontiguousarray(log_decay[..., None]),
+                                             beta, s0, 64, True))
+    ref_out, ref_state = gated_delta_scan_ref(*inputs)
+    assert_close("out", ref_out, runs[0][0], 3e-5)
+    assert_close("state", ref_state, runs[0][1], 3e-5)
+    np.testing.assert_array_equal(runs[0][0][:, 100:], runs[1][0][:, 100:])
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+
+
 def test_numba_chunked_rule(monkeypatch):
     from lowbit.ops.gated_delta_scan import _numba, _numba_chunked
 

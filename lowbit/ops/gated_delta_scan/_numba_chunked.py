@@ -38,21 +38,29 @@ The products (``_numba_chunked_tiles.product``) run on the AVX-512 register tile
 through SciPy's BLAS ``?gemm`` (called by symbol: ``np.dot`` in Numba allocates every result and
 cannot accumulate into a view). Their right operands are row-major, so the kernels keep k.T,
 delta.T, S0.T and ds.T; the triangular ones (A, tril(D * (Q @ K.T)) and their transposes) skip
-the zeros on the tiles. A is solved four rows at a time: each group of rows takes its product
-with the rows above (the tiles, else 4 x 4 register tiles against A.T, ``_tile``), then is
-solved within itself; row by row, every update went through one row in memory, a chain of
-store-to-load latencies (1.15x slower forward, 1.07x backward through BLAS).
+the zeros on the tiles. The backward needs A, solved four rows at a time: each group of rows
+takes its product with the rows above (the tiles, else ``tile4`` against A.T), then is solved
+within itself; row by row, every update went through one row in memory, a chain of
+store-to-load latencies (1.15x slower forward, 1.07x backward through BLAS). The forward
+(``_forward_block``) needs only delta, which it solves for in place the same way
+(``_substitute``): half the multiply-adds of forming A and then its product (3.3 -> 2.1 us).
+It stores neither D (formed row by row in the pass that uses it) nor X (bx = beta * (V - a * (K
+@ S0)) in that pass), and asks for the next block's input rows while a block runs.
 
 Where the time goes (one thread, K = V = 64, float32, on the tiles; microseconds per block of
-64 tokens, measured section by section on a Zen 5 EPYC): forward ~22, of which the set-up ~15
-(the products [Q; K] @ S0 and [Q; K] @ K.T 8, A 1.6, delta 1.8, the loads, decays and k.T 2.6),
-the output rows 3.6 and the state update 2.8; backward ~47, the set-up recomputed (~12: it
-leaves out Q @ S0, whose one use, do . (q @ S0), is q . (do @ S0.T) from dq's product) and ~35
-of its own: eleven products ~27, the pairwise decay-gradient loops ~3, transposes ~1.2, loads
-and stores ~3. A full 64 x 64 x 64 product takes 2.1 us on the tiles (~250 GFLOP/s), a
-triangular one 1.75 (its six-row tiles pay per call). The token-by-token kernels take ~41-55
-us a block forward and ~80 backward, so the products alone (~13 us forward, ~35 backward) put
-2.5x out of reach at this tile rate (``_numba.py`` has the measured ratios).
+64 tokens, measured section by section on a Zen 5 EPYC): forward ~20.5 with the inputs in cache
+(one task), ~24 in the layout of B = 4, H = 8 (80 MB a call, rows H apart); the products 14.7
+([Q; K] @ S0 4.1, [Q; K] @ K.T 4.1, delta 2.1, the output's P @ delta 1.7, the state update
+2.2), the element passes ~4 (decays 0.3, loads with k.T and b * k 1.9, the D / L / P / bx pass
+1.25, output rows 0.4) and memory the rest; a call's fresh outputs (32 MB: the output and a
+checkpoint a block) cost ~2.5 ms more in page faults at that shape, the token-by-token kernels
+~1. Backward ~47, the set-up recomputed (~12: it leaves out Q @ S0, whose one use,
+do . (q @ S0), is q . (do @ S0.T) from dq's product) and ~35 of its own: eleven products ~27,
+the pairwise decay-gradient loops ~3, transposes ~1.2, loads and stores ~3. A full 64 x 64 x 64
+product takes 2.1 us on the tiles (~250 GFLOP/s), a triangular one 1.7 (its six-row tiles pay
+per call). The token-by-token kernels take ~41-55 us a block forward and ~80 backward, so the
+products alone (~14.7 us forward, ~35 backward) put 2.5x out of reach at this tile rate
+(``_numba.py`` has the measured ratios).
 """
 
 import math
@@ -62,7 +70,8 @@ import numpy as np
 
 from ... import _backend
 from ..packed_matmul._numba import _fma
-from ._numba_chunked_tiles import product, tiles_fit, transpose, triangular_product, uses_tiles
+from ._numba_chunked_tiles import (prefetch, prefetch_rows, product, tile4, tiles_fit,
+                                   transpose, triangular_product, uses_tiles)
 
 # The tile path calls the tiles of ``_fma.py``, which Numba's cache does not key on.
 _backend.numba_cache_guard(__file__, _fma.__file__)
@@ -72,41 +81,12 @@ _backend.numba_cache_guard(__file__, _fma.__file__)
 #: multiply-adds, but smaller products and more calls).
 BLOCK = 64
 
+#: Rows solved together in ``_substitute`` (a divisor of BLOCK; 2, 8 and 16 ran the forward
+#: 1.06x, 1.12x and 1.3x slower).
+SOLVE = 4
+
 #: Whether float32 with K = V = 64 runs the AVX-512 register tiles (``tiles_fit``), else BLAS.
 USE_FMA = _fma.AVAILABLE
-
-
-# reassoc lets each sum over p run in SIMD lanes: the 16 sums stay in registers.
-@numba.njit(cache=True, fastmath={"contract", "reassoc"})
-def _tile(x, y, n, out, i0, j0, zero):
-    """out[i0 + r, j0 + c] = x[i0 + r, :n] . y[j0 + c, :n] for r, c < 4; zero: 0 of out's dtype."""
-    x0, x1, x2, x3 = x[i0], x[i0 + 1], x[i0 + 2], x[i0 + 3]
-    y0, y1, y2, y3 = y[j0], y[j0 + 1], y[j0 + 2], y[j0 + 3]
-    c00 = c01 = c02 = c03 = c10 = c11 = c12 = c13 = zero
-    c20 = c21 = c22 = c23 = c30 = c31 = c32 = c33 = zero
-    for p in range(n):
-        a0, a1, a2, a3 = x0[p], x1[p], x2[p], x3[p]
-        b0, b1, b2, b3 = y0[p], y1[p], y2[p], y3[p]
-        c00 += a0 * b0
-        c01 += a0 * b1
-        c02 += a0 * b2
-        c03 += a0 * b3
-        c10 += a1 * b0
-        c11 += a1 * b1
-        c12 += a1 * b2
-        c13 += a1 * b3
-        c20 += a2 * b0
-        c21 += a2 * b1
-        c22 += a2 * b2
-        c23 += a2 * b3
-        c30 += a3 * b0
-        c31 += a3 * b1
-        c32 += a3 * b2
-        c33 += a3 * b3
-    out[i0, j0:j0 + 4] = (c00, c01, c02, c03)
-    out[i0 + 1, j0:j0 + 4] = (c10, c11, c12, c13)
-    out[i0 + 2, j0:j0 + 4] = (c20, c21, c22, c23)
-    out[i0 + 3, j0:j0 + 4] = (c30, c31, c32, c33)
 
 
 @numba.njit(cache=True)
@@ -116,28 +96,49 @@ def _workspace(nk, nv, dtype):
     return (np.empty((2 * n, nk), dtype),   # 0 qk2: q rows, then k rows
             np.empty((2 * n, nv), dtype),   # 1 proj: q @ S0, then k @ S0
             np.empty((2 * n, n), dtype),    # 2 gram: q @ k.T, then k @ k.T
-            np.zeros((n, n), dtype),        # 3 decay D (lower triangle)
+            np.zeros((n, n), dtype),        # 3 decay D (lower triangle; the forward's P)
             np.zeros((n, n), dtype),        # 4 inv A
             np.empty((n, nv), dtype),       # 5 x
-            np.empty((n, nv), dtype),       # 6 beta * x, then the output rows
+            np.empty((n, nv), dtype),       # 6 beta * x; the forward's P @ delta
             np.empty((n, nv), dtype),       # 7 delta
             np.empty((n, nk), dtype),       # 8 b * k
-            np.empty((3, n), dtype),        # 9 beta, a, b
-            np.zeros(n, np.float64),        # 10 a row of D being formed
+            np.empty((4, n), dtype),        # 9 beta, a, b, a row of D
+            np.zeros((2, n), np.float64),   # 10 the decays, a row of D being formed
             np.empty(8, np.int32),          # 11 BLAS's integers
             np.empty(2, dtype),             # 12 BLAS's scalars
-            np.zeros((n, n), dtype),        # 13 L = diag(beta) M (strict lower triangle)
+            np.zeros((n, n), dtype),        # 13 L = diag(beta) M (strict lower; the forward's -L)
             np.zeros((n, n), dtype),        # 14 A.T
             np.empty((nk, n), dtype),       # 15 k.T
             np.empty((nv, n), dtype))       # 16 delta.T (the backward's)
 
 
 @numba.njit(cache=True)
-def _setup(q, k, v, log_decay, beta, b, h, t0, n, s0, ws, tiles, with_q):
-    """Fill ws with the block of n <= BLOCK tokens from t0 entering with state s0, up to delta;
-    q @ S0 (proj's first rows) only ``with_q`` (the backward takes that term from dq's product)."""
-    qk2, proj, gram, decay, inv, x, bx, delta, kt, coef, row, ints, scal, low, inv_t, k_t, _ = ws
+def _substitute(neg, x, tiles, blas):
+    """x <- (I - neg)^-1 x in place, for neg strictly lower triangular, by blocked forward
+    substitution: rows r0 .. r0 + SOLVE - 1 take neg[rows, :r0] @ x[:r0] (one product), then are
+    solved among themselves. The forward needs only delta = A @ bx, not A: half the
+    multiply-adds of forming A (as ``_setup`` does for the backward) and then its product."""
+    big = BLOCK
+    for r0 in range(0, big, SOLVE):
+        if r0:
+            product(neg[r0:], SOLVE, r0, False, x, x[r0:], True, tiles, blas)
+        for t in range(r0 + 1, r0 + SOLVE):
+            row = x[t]
+            for u in range(r0, t):
+                c = neg[t, u]
+                prev = x[u]
+                for j in range(x.shape[1]):
+                    row[j] += c * prev[j]
+
+
+@numba.njit(cache=True)
+def _setup(q, k, v, log_decay, beta, b, h, t0, n, s0, ws, tiles):
+    """Fill ws with the block of n <= BLOCK tokens from t0 entering with state s0, up to delta,
+    for the backward: every intermediate it needs (D, x, k @ S0; not q @ S0, whose one use it
+    takes from dq's product)."""
+    qk2, proj, gram, decay, inv, x, bx, delta, kt, coef, rows, ints, scal, low, inv_t, k_t, _ = ws
     blas = ints, scal
+    row = rows[1]
     big = BLOCK
     nk = q.shape[3]
     nv = x.shape[1]
@@ -166,25 +167,22 @@ def _setup(q, k, v, log_decay, beta, b, h, t0, n, s0, ws, tiles, with_q):
         coef[2, s] = decay[big - 1, s]
         for i in range(nk):
             kt[s, i] = coef[2, s] * qk2[big + s, i]
-    if with_q:
-        product(qk2, 2 * big, nk, False, s0, proj, False, tiles, blas)
-    else:
-        product(qk2[big:], big, nk, False, s0, proj[big:], False, tiles, blas)
+    product(qk2[big:], big, nk, False, s0, proj[big:], False, tiles, blas)
     product(qk2, 2 * big, nk, False, k_t, gram, False, tiles, blas)
+    for t in range(big):
+        for s in range(t):
+            low[t, s] = coef[0, t] * decay[t, s] * gram[big + t, s]
     # A = (I + L)^-1, L = diag(beta) M, by blocked forward substitution: rows r0 .. r0 + 3 are
     # E - L[rows, :r0] @ A[:r0] (the AVX-512 tiles, else 4 x 4 register tiles against A.T), then
     # solved among themselves. A row by row would chain every update through the same row in
     # memory (latency bound).
-    for t in range(big):
-        for s in range(t):
-            low[t, s] = coef[0, t] * decay[t, s] * gram[big + t, s]
     scal[1] = 0  # a zero of the input dtype for the tiles' sums
     for r0 in range(0, big, 4):
         if uses_tiles(tiles):
             product(low[r0:], 4, r0, False, inv, inv[r0:], False, tiles, blas)
         else:
             for j0 in range(0, r0, 4):
-                _tile(low, inv_t, r0, inv, r0, j0, scal[1])
+                tile4(low, inv_t, r0, inv, r0, j0, scal[1])
         for t in range(r0, r0 + 4):
             arow = inv[t]
             for j in range(r0):
@@ -210,31 +208,83 @@ def _setup(q, k, v, log_decay, beta, b, h, t0, n, s0, ws, tiles, with_q):
 
 
 @numba.njit(cache=True)
+def _forward_block(q, k, v, log_decay, beta, b, h, t0, n, s, out, ws, tiles):
+    """The block of n <= BLOCK tokens from t0 entering with state s: write its output rows and
+    advance s past it (in place). Only what the output and the state need, in few passes: D is
+    formed row by row as it is used and never stored, and the a-scalings ride on the passes that
+    read the products (x is never stored: bx = beta * (v - a * (k @ S0)))."""
+    qk2, proj, gram, tri, _, _, o, delta, kt, coef, gam, ints, scal, low, _, k_t, _ = ws
+    blas = ints, scal
+    big = BLOCK
+    nk = q.shape[3]
+    nv = v.shape[3]
+    total = 1.0
+    for t in range(big):
+        live = t < n
+        gamma = math.exp(np.float64(log_decay[b, t0 + t, h, 0])) if live else 1.0
+        gam[0, t] = gamma
+        coef[0, t] = beta[b, t0 + t, h] if live else 0
+        total *= gamma
+        coef[1, t] = total
+    total = 1.0
+    for t in range(big - 1, -1, -1):  # b_t, the decays after token t
+        coef[2, t] = total
+        total *= gam[0, t]
+    for t in range(big):
+        live = t < n
+        bt = coef[2, t]
+        for i in range(nk):
+            kv = k[b, t0 + t, h, i] if live else 0
+            qk2[t, i] = q[b, t0 + t, h, i] if live else 0
+            qk2[big + t, i] = kv
+            kt[t, i] = bt * kv
+        for i in range(nk):
+            k_t[i, t] = qk2[big + t, i]
+    # The next block's rows arrive while this one runs its products.
+    for a in (q, k, v):
+        prefetch_rows(a, b, t0 + big, t0 + 2 * big, h, False)
+    prefetch_rows(out, b, t0, t0 + n, h, True)
+    product(qk2, 2 * big, nk, False, s, proj, False, tiles, blas)
+    product(qk2, 2 * big, nk, False, k_t, gram, False, tiles, blas)
+    # One pass per token: row t of D (float64 as it is formed, then in the input dtype), of -L =
+    # -diag(beta) M, of P = tril(D * (q @ k.T)) (tri's upper triangle stays zero), and of bx,
+    # in delta, which _substitute solves for in place.
+    row = gam[1]
+    drow = coef[3]
+    for t in range(big):
+        gamma = gam[0, t]
+        for r in range(t):
+            d = row[r] * gamma
+            row[r] = d
+            drow[r] = d
+        row[t] = 1.0
+        drow[t] = 1.0
+        bt = coef[0, t]
+        at = coef[1, t]
+        for r in range(t):
+            low[t, r] = -bt * drow[r] * gram[big + t, r]
+        for r in range(t + 1):
+            tri[t, r] = drow[r] * gram[t, r]
+        if t < n:
+            for j in range(nv):
+                delta[t, j] = bt * (v[b, t0 + t, h, j] - at * proj[big + t, j])
+        else:
+            delta[t] = 0
+    _substitute(low, delta, tiles, blas)
+    triangular_product(tri, big, False, False, delta, o, False, tiles, blas)
+    for t in range(n):
+        at = coef[1, t]
+        for j in range(nv):
+            out[b, t0 + t, h, j] = at * proj[t, j] + o[t, j]
+    _advance(s, ws, tiles)
+
+
+@numba.njit(cache=True)
 def _advance(s, ws, tiles):
     """s <- the state after the block (in place): a_{n-1} s + (b * k).T @ delta."""
     delta, kt, coef, blas = ws[7], ws[8], ws[9], (ws[11], ws[12])
     s *= coef[1, BLOCK - 1]
     product(kt, s.shape[0], BLOCK, True, delta, s, True, tiles, blas)
-
-
-@numba.njit(cache=True)
-def _block_forward(out, b, h, t0, n, ws, tiles):
-    """Write the output rows of the block set up in ws: a * (q @ S0) + P @ delta."""
-    proj, gram, decay, o, delta, coef = ws[1], ws[2], ws[3], ws[6], ws[7], ws[9]
-    big = BLOCK
-    nv = o.shape[1]
-    # P = tril(D * (q @ k.T)) in place of q @ k.T; o starts as a * (q @ S0).
-    for t in range(big):
-        for r in range(t + 1):
-            gram[t, r] *= decay[t, r]
-        for r in range(t + 1, big):
-            gram[t, r] = 0
-        for j in range(nv):
-            o[t, j] = coef[1, t] * proj[t, j]
-    triangular_product(gram, big, False, False, delta, o, True, tiles, (ws[11], ws[12]))
-    for t in range(n):
-        for j in range(nv):
-            out[b, t0 + t, h, j] = o[t, j]
 
 
 @numba.njit(parallel=True, cache=True)
@@ -247,14 +297,18 @@ def _forward(q, k, v, log_decay, beta, s0, span, out, final, checkpoints, keep, 
         ws = _workspace(nk, nv, q.dtype)
         s = s0[b, h].copy()
         for c in range(-(-nt // span)):
-            if keep:
-                checkpoints[b, h, c] = s
+            if keep:  # element loops: the slice assignment took ~3.5 us a block
+                mark = checkpoints[b, h, c]
+                for i in range(nk):
+                    for j in range(nv):
+                        mark[i, j] = s[i, j]
             end = min(nt, (c + 1) * span)
+            if keep and c + 1 < checkpoints.shape[2]:  # the next one, while this chunk runs
+                prefetch(checkpoints, (task * checkpoints.shape[2] + c + 1) * nk * nv, nk * nv,
+                         True)
             for t0 in range(c * span, end, big):
                 n = min(big, end - t0)
-                _setup(q, k, v, log_decay, beta, b, h, t0, n, s, ws, tiles, True)
-                _block_forward(out, b, h, t0, n, ws, tiles)
-                _advance(s, ws, tiles)
+                _forward_block(q, k, v, log_decay, beta, b, h, t0, n, s, out, ws, tiles)
         final[b, h] = s
 
 
@@ -403,12 +457,12 @@ def _backward(q, k, v, log_decay, beta, checkpoints, dout, dstate, span,
             for m in range(nsub - 1):
                 states[m + 1] = states[m]
                 _setup(q, k, v, log_decay, beta, b, h, start + m * big, big, states[m], ws,
-                       tiles, False)
+                       tiles)
                 _advance(states[m + 1], ws, tiles)
             for m in range(nsub - 1, -1, -1):
                 t0 = start + m * big
                 n = min(big, end - t0)
-                _setup(q, k, v, log_decay, beta, b, h, t0, n, states[m], ws, tiles, False)
+                _setup(q, k, v, log_decay, beta, b, h, t0, n, states[m], ws, tiles)
                 _block_backward(dout, b, h, t0, n, states[m], ds, ws, gs,
                                 dq, dk, dv, dlog, dbeta, tiles)
         dinit[b, h] = ds
