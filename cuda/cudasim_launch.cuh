@@ -303,22 +303,24 @@ inline T warp_reduce(int op, unsigned mask, T value, F combine) {
     return acc;
 }
 
-template <class T>
-inline T atomic_max(T* address, T val) {
+// Stores val while it beats the value held (``beats(val, old)``); returns the old value.
+template <class T, class Beats>
+inline T atomic_keep_best(T* address, T val, Beats beats) {
     std::atomic_ref<T> ref(*address);
     T old = ref.load(std::memory_order_relaxed);
-    while (old < val && !ref.compare_exchange_weak(old, val, std::memory_order_relaxed)) {
+    while (beats(val, old) && !ref.compare_exchange_weak(old, val, std::memory_order_relaxed)) {
     }
     return old;
 }
 
 template <class T>
+inline T atomic_max(T* address, T val) {
+    return atomic_keep_best(address, val, [](T v, T old) { return old < v; });
+}
+
+template <class T>
 inline T atomic_min(T* address, T val) {
-    std::atomic_ref<T> ref(*address);
-    T old = ref.load(std::memory_order_relaxed);
-    while (val < old && !ref.compare_exchange_weak(old, val, std::memory_order_relaxed)) {
-    }
-    return old;
+    return atomic_keep_best(address, val, [](T v, T old) { return v < old; });
 }
 
 template <class T>

@@ -125,6 +125,13 @@ def _first_visible(c, diag, causal, rows):
     return min(rows, max(0, c - diag))
 
 
+@numba.njit(cache=True, fastmath=_CONTRACT, inline="always")
+def _visible_exp(score, shift, visible, low, zero):
+    """exp(score - shift) if visible, else exactly zero (a hidden score: exp of low, in range)."""
+    e = _exp(score - shift if visible else low)
+    return e if visible else zero
+
+
 @numba.njit(cache=True, fastmath=_CONTRACT)
 def _exp_columns(block, shift, den, diag, causal):
     """Probabilities of a transposed score block [keys, queries], in place.
@@ -138,9 +145,7 @@ def _exp_columns(block, shift, den, diag, causal):
     for c in range(block.shape[0]):
         lo = _first_visible(c, diag, causal, rows)
         for j in range(rows):
-            # A hidden score may exceed the shift: keep its exp in range, then drop it.
-            e = _exp(block[c, j] - shift[j] if j >= lo else low)
-            e = e if j >= lo else zero
+            e = _visible_exp(block[c, j], shift[j], j >= lo, low, zero)
             block[c, j] = e
             den[j] += e
 
@@ -156,8 +161,7 @@ def _probabilities_and_dscores(p, ds, shift, delta, diag, causal):
     for c in range(p.shape[0]):
         lo = _first_visible(c, diag, causal, rows)
         for j in range(rows):
-            e = _exp(p[c, j] - shift[j] if j >= lo else low)
-            e = e if j >= lo else zero
+            e = _visible_exp(p[c, j], shift[j], j >= lo, low, zero)
             p[c, j] = e
             ds[c, j] = e * (ds[c, j] - delta[j])
 
