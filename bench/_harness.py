@@ -59,6 +59,10 @@ class Case:
         target: minimum speedup over the baseline (``baseline_time / time``), reported PASS/FAIL.
         nbytes: bytes a call moves, for GB/s; flops: floating-point operations, for GFLOP/s.
         info: extra columns (formats, byte counts, errors, ...).
+        paired: time this case and its baseline in alternation (``time_pair``), the ratio the
+            median of the pairs' ratios: for rows whose verdict a drift in the host's speed over
+            a few seconds would otherwise flip (the two calls of a pair see the same machine). On a
+            GPU (CUDA events: no host drift) the case is timed on its own.
     """
 
     suite: str
@@ -70,6 +74,7 @@ class Case:
     nbytes: float | None = None
     flops: float | None = None
     info: dict = dataclasses.field(default_factory=dict)
+    paired: bool = False
 
 
 def threads() -> dict:
@@ -110,6 +115,40 @@ def time_cpu(fn, repeats: int, min_time_s: float) -> float:
     return statistics.median(samples)
 
 
+def time_pair(base, fn, repeats: int, min_time_s: float) -> tuple[float, float, float]:
+    """``base`` and ``fn`` timed in alternation: (median seconds of ``fn``, of ``base``, median
+    over pairs of base / fn).
+
+    ``2 * repeats + 1`` pairs, each sample long enough to be above timer noise; the order within
+    a pair alternates (base first, then fn first), so that a steady drift favours neither.
+    """
+    time.sleep(SETTLE_S)
+    inner = []
+    for f in (base, fn):
+        f()  # warm-up: JIT compilation, caches
+        start = time.perf_counter_ns()
+        f()
+        once = max((time.perf_counter_ns() - start) * 1e-9, 1e-7)
+        inner.append(max(1, int(min_time_s / repeats / once)))
+
+    def sample(f, n):
+        start = time.perf_counter_ns()
+        for _ in range(n):
+            f()
+        return (time.perf_counter_ns() - start) * 1e-9 / n
+
+    base_s, fn_s = [], []
+    for i in range(2 * repeats + 1):
+        if i % 2:
+            fn_s.append(sample(fn, inner[1]))
+            base_s.append(sample(base, inner[0]))
+        else:
+            base_s.append(sample(base, inner[0]))
+            fn_s.append(sample(fn, inner[1]))
+    ratios = [b / f for b, f in zip(base_s, fn_s)]
+    return statistics.median(fn_s), statistics.median(base_s), statistics.median(ratios)
+
+
 def time_gpu(fn, repeats: int) -> float:
     from cupyx.profiler import benchmark
 
@@ -120,16 +159,22 @@ def time_gpu(fn, repeats: int) -> float:
 def run_cases(cases, config: Config, progress=print) -> list[dict]:
     """Check, then time, every case; return one result dict per case."""
     rows = []
-    by_name = {}
+    by_name, fns = {}, {}
     for case in cases:
         progress(f"  {case.suite}/{case.name} ...")
         if case.check is not None:
             case.check()
-        seconds = None
-        if case.fn is not None:
+        seconds = pair = None
+        if case.paired and case.fn is not None and not config.gpu:
+            seconds, base_seconds, ratio = time_pair(fns[case.baseline], case.fn,
+                                                     config.repeats, config.min_time_s)
+            pair = {"baseline ms (paired)": base_seconds * 1e3}
+        elif case.fn is not None:
             seconds = (time_gpu(case.fn, config.repeats) if config.gpu
                        else time_cpu(case.fn, config.repeats, config.min_time_s))
-        row = {"suite": case.suite, "case": case.name, "seconds": seconds, **case.info}
+        fns[case.name] = case.fn
+        row = {"suite": case.suite, "case": case.name, "seconds": seconds, **case.info,
+               **(pair or {})}
         if seconds and case.nbytes:
             row["GB/s"] = case.nbytes / seconds / 1e9
         if seconds and case.flops:
@@ -137,7 +182,7 @@ def run_cases(cases, config: Config, progress=print) -> list[dict]:
         if case.baseline is not None:
             base = by_name[case.baseline]
             row["baseline"] = case.baseline
-            row["ratio"] = base["seconds"] / seconds
+            row["ratio"] = ratio if pair else base["seconds"] / seconds
             if case.target is not None:
                 row["target"] = case.target
                 row["met"] = row["ratio"] >= case.target

@@ -336,6 +336,7 @@ def _chunked_cases(inputs, dout, tokens, flops, dims):
                        fn=_timed(fn, info, tokens), info=info, flops=flops[direction],
                        check=lambda f=fwd, b=bwd: _check_kernels(f, b),
                        baseline=None if kind == "recurrent" else base,
+                       paired=kind != "recurrent",
                        target=None if kind == "recurrent" else CHUNKED_TARGET)
         if peer is None:
             print(f"  scan/gated_delta {direction} fla: skipped, {reason}")
