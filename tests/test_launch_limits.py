@@ -51,10 +51,32 @@ def test_bdh_layer_with_a_batch_past_the_grid_limit_is_refused_before_launch():
             lowrank_cuda.causal_linear_forward(x, v, np.array([0, T]), table, table)
 
 
-@pytest.mark.slow
-def test_packed_matmul_float_path_past_65535_rows(rng):
-    # The float path used to launch gridDim.y = M; now blocks stride over rows on a 1-D grid.
+def test_packed_matmul_float_path_grid_does_not_grow_with_rows(monkeypatch):
+    # The float path used to launch gridDim.y = M; now at most FLOAT_BLOCKS blocks stride over
+    # the (row, column group) tasks on a 1-D grid, so M = 65536 + 7 rows launch that grid
+    # (recorded, not run: 65543 emulated warp sums take 40 s here).
+    from lowbit.ops.packed_matmul import _cuda as pm_cuda
+
+    launches = []
+
+    class Recorder:
+        def get_function(self, name):
+            return lambda grid, block, args, shared_mem=0: launches.append((name, grid))
+
+    monkeypatch.setattr(_kernels, "module", lambda *a, **k: Recorder())
     M, K, N = 65536 + 7, 1, 1
+    x = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (M, K), (0, 0))
+    pm_cuda.matmul_float(x, np.zeros((N, 1), np.uint8), np.ones((), np.float32), "ternary", K)
+    assert launches == [("matmul_float<0>", (pm_cuda.FLOAT_BLOCKS,))]
+
+
+def test_packed_matmul_float_path_strides_over_every_row(rng, monkeypatch):
+    # With the grid cut to 3 blocks (of GEMV_WARPS warps), 70 rows x 5 columns take many
+    # grid-stride steps, the last one partial: every row is the reference's.
+    from lowbit.ops.packed_matmul import _cuda as pm_cuda
+
+    monkeypatch.setattr(pm_cuda, "FLOAT_BLOCKS", 3)
+    M, K, N = 70, 9, 5
     w = rng.standard_normal((K, N)).astype(np.float32)
     x = rng.standard_normal((M, K)).astype(np.float32)
     with lowbit.use_backend("cudasim"):
