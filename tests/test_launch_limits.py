@@ -16,6 +16,7 @@ import lowbit
 from lowbit import _cudasim, _kernels
 from lowbit.ops.lowrank_residual import _cuda as lowrank_cuda
 from lowbit.ops.pack_bits import _cuda as pack_cuda
+from lowbit.ops.packed_matmul import _cuda as pm_cuda
 from lowbit.ops.lowrank_residual._layer import rope_tables
 from lowbit.reference.lowrank_residual import causal_linear_bwd_ref
 
@@ -51,19 +52,23 @@ def test_bdh_layer_with_a_batch_past_the_grid_limit_is_refused_before_launch():
             lowrank_cuda.causal_linear_forward(x, v, np.array([0, T]), table, table)
 
 
-def test_packed_matmul_float_path_grid_does_not_grow_with_rows(monkeypatch):
-    # The float path used to launch gridDim.y = M; now at most FLOAT_BLOCKS blocks stride over
-    # the (row, column group) tasks on a 1-D grid, so M = 65536 + 7 rows launch that grid
-    # (recorded, not run: 65543 emulated warp sums take 40 s here).
-    from lowbit.ops.packed_matmul import _cuda as pm_cuda
-
-    launches = []
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernel launch recorded as ``(name, grid)`` instead of run."""
+    calls = []
 
     class Recorder:
         def get_function(self, name):
-            return lambda grid, block, args, shared_mem=0: launches.append((name, grid))
+            return lambda grid, block, args, shared_mem=0: calls.append((name, grid))
 
     monkeypatch.setattr(_kernels, "module", lambda *a, **k: Recorder())
+    return calls
+
+
+def test_packed_matmul_float_path_grid_does_not_grow_with_rows(launches):
+    # The float path used to launch gridDim.y = M; now at most FLOAT_BLOCKS blocks stride over
+    # the (row, column group) tasks on a 1-D grid, so M = 65536 + 7 rows launch that grid
+    # (recorded, not run: 65543 emulated warp sums take 40 s here).
     M, K, N = 65536 + 7, 1, 1
     x = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (M, K), (0, 0))
     pm_cuda.matmul_float(x, np.zeros((N, 1), np.uint8), np.ones((), np.float32), "ternary", K)
@@ -73,8 +78,6 @@ def test_packed_matmul_float_path_grid_does_not_grow_with_rows(monkeypatch):
 def test_packed_matmul_float_path_strides_over_every_row(rng, monkeypatch):
     # With the grid cut to 3 blocks (of GEMV_WARPS warps), 70 rows x 5 columns take many
     # grid-stride steps, the last one partial: every row is the reference's.
-    from lowbit.ops.packed_matmul import _cuda as pm_cuda
-
     monkeypatch.setattr(pm_cuda, "FLOAT_BLOCKS", 3)
     M, K, N = 70, 9, 5
     w = rng.standard_normal((K, N)).astype(np.float32)
@@ -86,18 +89,9 @@ def test_packed_matmul_float_path_strides_over_every_row(rng, monkeypatch):
     assert_close("y", ref, y, rtol=1e-6)
 
 
-def test_gemm_row_tiles_are_clamped_to_the_grid_limit(monkeypatch):
+def test_gemm_row_tiles_are_clamped_to_the_grid_limit(launches):
     # M = 65535 * 32 + 1 rows would need 65536 row tiles; the launch asks for 65535 and the
     # kernel strides over the rest (too large to run here: the grid is checked at launch).
-    from lowbit.ops.packed_matmul import _cuda as pm_cuda
-
-    launches = []
-
-    class Recorder:
-        def get_function(self, name):
-            return lambda grid, block, args, shared_mem=0: launches.append((name, grid))
-
-    monkeypatch.setattr(_kernels, "module", lambda *a, **k: Recorder())
     M, K, N = 65535 * pm_cuda.TILE_M + 1, 4, 40
     codes = np.lib.stride_tricks.as_strided(np.zeros(1, np.int8), (M, K), (0, 0))
     pm_cuda.matmul_int(codes, np.zeros(1, np.float32), np.zeros((N, 1), np.uint8),
