@@ -165,6 +165,23 @@ def _blas_thread_controls():
     return tuple(controls)
 
 
+def read_only(*arrays):
+    """Read-only views of host arrays, for the Numba kernels that only read them.
+
+    Numba compiles one specialization per argument type, and types a read-only array apart from
+    a writable one: a user's read-only input (a read-only memory map, an array a test froze)
+    would compile every kernel a second time (81 s of the suite's cold compiles). Handing the
+    kernels read-only views of their inputs, always, keeps one specialization; Numba then also
+    refuses to compile a kernel that writes one. Returns one view, or a list for several.
+    """
+    views = []
+    for a in arrays:
+        view = a.view()
+        view.flags.writeable = False
+        views.append(view)
+    return views[0] if len(views) == 1 else views
+
+
 @contextlib.contextmanager
 def single_threaded_blas(active: bool = True):
     """Run OpenBLAS (NumPy's and SciPy's, the one ``np.dot`` calls from Numba) on one thread

@@ -326,8 +326,8 @@ def recurrent_forward(q, k, v, log_decay, beta, initial_state, chunk_size, keep_
     final = _backend.empty((nb, nh, nk, nv), q.dtype)
     checkpoints = _backend.empty(
         (nb, nh, -(-nt // chunk_size) if keep_checkpoints else 0, nk, nv), q.dtype)
-    _forward(q, k, v, log_decay, beta, initial_state, chunk_size, _slice_width(nb, nh, nv),
-             out, final, checkpoints, keep_checkpoints)
+    _forward(*_backend.read_only(q, k, v, log_decay, beta, initial_state), chunk_size,
+             _slice_width(nb, nh, nv), out, final, checkpoints, keep_checkpoints)
     return out, final, (checkpoints if keep_checkpoints else None)
 
 
@@ -361,6 +361,6 @@ def recurrent_backward(dout, dstate, q, k, v, log_decay, beta, checkpoints, chun
     dbeta = _backend.empty((nslices,) + beta.shape, q.dtype)
     dv = _backend.empty(v.shape, q.dtype)
     dinit = _backend.empty((nb, nh, nk, nv), q.dtype)
-    _backward(q, k, v, log_decay, beta, checkpoints, dout, dstate, chunk_size, width,
-              dq, dk, dv, dlog, dbeta, dinit, q.dtype.type(0))
+    _backward(*_backend.read_only(q, k, v, log_decay, beta, checkpoints, dout, dstate),
+              chunk_size, width, dq, dk, dv, dlog, dbeta, dinit, q.dtype.type(0))
     return (_sum_slices(dq), _sum_slices(dk), dv, _sum_slices(dlog), _sum_slices(dbeta), dinit)

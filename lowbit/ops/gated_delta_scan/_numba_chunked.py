@@ -486,8 +486,8 @@ def forward(q, k, v, log_decay, beta, initial_state, chunk_size, keep_checkpoint
     checkpoints = _backend.empty((nb, nh, -(-nt // span) if keep_checkpoints else 0, nk, nv),
                                  q.dtype)
     with _backend.single_threaded_blas():
-        _forward(q, k, v, log_decay, beta, initial_state, span, out, final, checkpoints,
-                 keep_checkpoints, _tiles(q.dtype, nk, nv))
+        _forward(*_backend.read_only(q, k, v, log_decay, beta, initial_state), span, out, final,
+                 checkpoints, keep_checkpoints, _tiles(q.dtype, nk, nv))
     return out, final, (checkpoints if keep_checkpoints else None)
 
 
@@ -496,6 +496,6 @@ def backward(dout, dstate, q, k, v, log_decay, beta, checkpoints, chunk_size):
     grads = [_backend.empty(a.shape, q.dtype) for a in (q, k, v, log_decay, beta)]
     dinit = _backend.empty(dstate.shape, q.dtype)
     with _backend.single_threaded_blas():
-        _backward(q, k, v, log_decay, beta, checkpoints, dout, dstate, chunk_size, *grads, dinit,
-                  _tiles(q.dtype, q.shape[3], v.shape[3]))
+        _backward(*_backend.read_only(q, k, v, log_decay, beta, checkpoints, dout, dstate),
+                  chunk_size, *grads, dinit, _tiles(q.dtype, q.shape[3], v.shape[3]))
     return (*grads, dinit)

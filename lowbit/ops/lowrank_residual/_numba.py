@@ -400,8 +400,8 @@ def causal_linear_forward(x, v, starts, cos, sin):
     """See ``_numpy.causal_linear_forward``: x [B, T, N], v [B, T, D] -> [B, T, D] float32."""
     out = _backend.empty(v.shape, np.float32)
     with _backend.single_threaded_blas():
-        _kernels()[0](np.ascontiguousarray(x), np.ascontiguousarray(v), starts, cos, sin, out,
-                      False, *_no_keep())
+        _kernels()[0](*_backend.read_only(np.ascontiguousarray(x), np.ascontiguousarray(v),
+                                          starts, cos, sin), out, False, *_no_keep())
     return out
 
 
@@ -419,8 +419,8 @@ def causal_linear_recompute(x, v, starts, cos, sin):
             _backend.empty((B, int(np.sum(np.maximum(chunks - 1, 0))), N, D), np.float32))
     out = _backend.empty(v.shape, np.float32)
     with _backend.single_threaded_blas():
-        _kernels()[0](np.ascontiguousarray(x), np.ascontiguousarray(v), starts, cos, sin, out,
-                      True, *keep)
+        _kernels()[0](*_backend.read_only(np.ascontiguousarray(x), np.ascontiguousarray(v),
+                                          starts, cos, sin), out, True, *keep)
     return out, keep
 
 
@@ -430,7 +430,7 @@ def causal_linear_backward(da, x, v, starts, cos, sin, cache=None):
     dx = _backend.empty(x.shape, np.float32)
     dv = _backend.empty(v.shape, np.float32)
     with _backend.single_threaded_blas():
-        _kernels()[1](np.ascontiguousarray(da), np.ascontiguousarray(x),
-                      np.ascontiguousarray(v), starts, cos, sin, dx, dv, cache is not None,
-                      *(cache if cache is not None else _no_keep()))
+        _kernels()[1](*_backend.read_only(np.ascontiguousarray(da), np.ascontiguousarray(x),
+                                          np.ascontiguousarray(v), starts, cos, sin), dx, dv,
+                      cache is not None, *(cache if cache is not None else _no_keep()))
     return dx, dv

@@ -367,12 +367,12 @@ def forward(q, k, v, offsets, scale, causal):
     items, costs = _forward_items(offsets, heads, causal)
     order, slots = _schedule(costs, numba.get_num_threads())
     if USE_FMA and q.dtype == np.float32:
-        _forward_fma(q, _by_head(k), _panels(v), items, order, slots, np.float32(scale), causal,
-                     heads // k.shape[1], out, lse)
+        _forward_fma(*_backend.read_only(q, _by_head(k), _panels(v)), items, order, slots,
+                     np.float32(scale), causal, heads // k.shape[1], out, lse)
         return out, lse
     with _backend.single_threaded_blas():
-        _forward(q, _by_head(k), _by_head(v), items, order, slots, q.dtype.type(scale), causal,
-                 heads // k.shape[1], out, lse)
+        _forward(*_backend.read_only(q, _by_head(k), _by_head(v)), items, order, slots,
+                 q.dtype.type(scale), causal, heads // k.shape[1], out, lse)
     return out, lse
 
 
@@ -391,12 +391,14 @@ def backward(dout, q, k, v, out, lse, offsets, scale, causal):
     dv_part = np.empty((heads, tokens, dv_dim), q.dtype)
     key_block = BACKWARD_K_CAUSAL if causal else BACKWARD_K
     if USE_FMA and q.dtype == np.float32:
-        _backward_fma(dout, q, _by_head(k), _by_head(v), _panels(k), out, lse, items, order,
-                      slots, np.float32(scale), causal, group, key_block, dq, dk_part, dv_part)
+        _backward_fma(*_backend.read_only(dout, q, _by_head(k), _by_head(v), _panels(k), out, lse),
+                      items, order, slots, np.float32(scale), causal, group, key_block, dq,
+                      dk_part, dv_part)
     else:
         with _backend.single_threaded_blas():
-                _backward(dout, q, _by_head(k), _by_head(v), out, lse, items, order, slots,
-                      q.dtype.type(scale), causal, group, key_block, dq, dk_part, dv_part)
+            _backward(*_backend.read_only(dout, q, _by_head(k), _by_head(v), out, lse), items,
+                      order, slots, q.dtype.type(scale), causal, group, key_block, dq, dk_part,
+                      dv_part)
     dk = _backend.empty(k.shape, k.dtype)
     dv = _backend.empty(v.shape, v.dtype)
     # The group's partials add in head order: the same sum whatever the thread count.

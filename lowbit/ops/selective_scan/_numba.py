@@ -169,8 +169,9 @@ def forward(x, B, C, dt, dt_bias, A_log, D, initial_state, dt_floor, chunk_size,
     final = _backend.empty((nb, nh, npp, nn), x.dtype)
     checkpoints = _backend.empty(
         (nb, nh, -(-nt // chunk_size) if keep_checkpoints else 0, npp, nn), x.dtype)
-    _forward(x, B, C, dt, dt_bias, A_log, D, initial_state, x.dtype.type(dt_floor), chunk_size,
-             out, final, checkpoints, keep_checkpoints, x.dtype.type(0))
+    _forward(*_backend.read_only(x, B, C, dt, dt_bias, A_log, D, initial_state),
+             x.dtype.type(dt_floor), chunk_size, out, final, checkpoints, keep_checkpoints,
+             x.dtype.type(0))
     return out, final, (checkpoints if keep_checkpoints else None)
 
 
@@ -184,7 +185,7 @@ def backward(dout, dstate, x, B, C, dt, dt_bias, A_log, D, checkpoints, dt_floor
     ddt = _backend.empty(dt.shape, x.dtype)
     rows = [_backend.empty((nb, nh), x.dtype) for _ in range(3)]
     dinit = _backend.empty((nb, nh, npp, nn), x.dtype)
-    _backward(x, B, C, dt, dt_bias, A_log, D, checkpoints, dout, dstate, x.dtype.type(dt_floor),
-              chunk_size, dx, dB, dC, ddt, *rows, dinit, x.dtype.type(0))
+    _backward(*_backend.read_only(x, B, C, dt, dt_bias, A_log, D, checkpoints, dout, dstate),
+              x.dtype.type(dt_floor), chunk_size, dx, dB, dC, ddt, *rows, dinit, x.dtype.type(0))
     ddt_bias, dA_log, dD = (r.sum(axis=0) for r in rows)
     return dx, dB, dC, ddt, ddt_bias, dA_log, dD, dinit

@@ -1,0 +1,113 @@
+"""Read-only inputs on the numba backend: the kernels get read-only views of every input
+(``lowbit._backend.read_only``), so an input a user froze (a read-only memory map, say) runs the
+specializations already compiled for writable ones, with the same bits, and compiles nothing
+new. One op of each kernel family: the scans, the segmented attention, the BDH layer's causal
+linear attention. References: the ops' own tests compare these paths with ``reference/``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import lowbit
+
+pytestmark = pytest.mark.skipif("numba" not in lowbit.available_backends(),
+                                reason="numba backend unavailable")
+
+
+def _frozen(arrays):
+    out = []
+    for a in arrays:
+        a = a.copy()
+        a.flags.writeable = False
+        out.append(a)
+    return out
+
+
+def _compiled(*modules):
+    """Signatures compiled so far by every Numba dispatcher of ``modules``."""
+    return {(m.__name__, name): len(f.signatures) for m in modules
+            for name, f in vars(m).items() if hasattr(f, "signatures")}
+
+
+def _gated_delta(rng):
+    from lowbit.ops.gated_delta_scan import _numba, _numba_chunked
+
+    B, T, H, K, V = 1, 130, 2, 64, 64
+    k = rng.standard_normal((B, T, H, K)).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    inputs = [rng.standard_normal((B, T, H, K)).astype(np.float32) / 8, k,
+              rng.standard_normal((B, T, H, V)).astype(np.float32),
+              -0.1 * rng.random((B, T, H)).astype(np.float32),
+              rng.random((B, T, H)).astype(np.float32)]
+    dout = rng.standard_normal((B, T, H, V)).astype(np.float32)
+
+    def run(args, g):
+        out, _, ctx = lowbit.gated_delta_scan_forward(*args)
+        return (out, *lowbit.gated_delta_scan_backward(g, None, ctx))
+
+    return inputs, dout, run, (_numba, _numba_chunked)
+
+
+def _selective(rng):
+    from lowbit.ops.selective_scan import _numba
+
+    B, T, H, P, N = 1, 70, 2, 8, 4
+    inputs = [rng.standard_normal((B, T, H, P)).astype(np.float32),
+              rng.standard_normal((B, T, H, N)).astype(np.float32),
+              rng.standard_normal((B, T, H, N)).astype(np.float32),
+              rng.standard_normal((B, T, H)).astype(np.float32),
+              rng.standard_normal(H).astype(np.float32),
+              rng.standard_normal(H).astype(np.float32),
+              rng.standard_normal(H).astype(np.float32)]
+    dout = rng.standard_normal((B, T, H, P)).astype(np.float32)
+
+    def run(args, g):
+        out, _, ctx = lowbit.selective_scan_forward(*args)
+        return (out, *lowbit.selective_scan_backward(g, None, ctx))
+
+    return inputs, dout, run, (_numba,)
+
+
+def _attention(rng):
+    from lowbit.ops.segmented_attention import _numba
+
+    T, H, D = 150, 2, 16
+    inputs = [rng.standard_normal((T, H, D)).astype(np.float32) for _ in range(3)]
+    dout = rng.standard_normal((T, H, D)).astype(np.float32)
+
+    def run(args, g):
+        out, ctx = lowbit.segmented_attention_forward(*args, [100, 50], causal=True)
+        return (out, *lowbit.segmented_attention_backward(g, ctx))
+
+    return inputs, dout, run, (_numba,)
+
+
+def _lowrank(rng):
+    from lowbit.ops.lowrank_residual import _numba
+
+    B, T, D, H, N = 1, 16, 8, 2, 32
+    inputs = [rng.standard_normal((B, T, D)).astype(np.float32),
+              rng.standard_normal((H, D, N)).astype(np.float32) / 3,
+              rng.standard_normal((H, D, N)).astype(np.float32) / 3,
+              rng.standard_normal((H * N, D)).astype(np.float32) / 8]
+    dout = rng.standard_normal((B, T, D)).astype(np.float32)
+
+    def run(args, g):
+        out, ctx = lowbit.lowrank_residual_forward(*args, relu_threshold=0.1)
+        return (out, *lowbit.lowrank_residual_backward(g, ctx))
+
+    return inputs, dout, run, (_numba,)
+
+
+@pytest.mark.parametrize("case", [_gated_delta, _selective, _attention, _lowrank])
+def test_read_only_inputs_compile_nothing_new_and_give_the_same_bits(rng, case):
+    inputs, dout, run, modules = case(rng)
+    with lowbit.use_backend("numba"):
+        writable = run(inputs, dout)
+        before = _compiled(*modules)
+        frozen = run(_frozen(inputs), _frozen([dout])[0])
+        after = _compiled(*modules)
+    assert after == before
+    for a, b in zip(writable, frozen):
+        np.testing.assert_array_equal(a, b)
