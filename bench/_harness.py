@@ -101,18 +101,24 @@ SETTLE_S = 0.3
 def time_cpu(fn, repeats: int, min_time_s: float) -> float:
     """Median seconds of ``fn()``, each sample long enough to be above timer noise."""
     time.sleep(SETTLE_S)
-    fn()  # warm-up: JIT compilation, caches
-    start = time.perf_counter_ns()
+    inner = _calls_per_sample(fn, repeats, min_time_s)
+    return statistics.median([_sample(fn, inner) for _ in range(repeats)])
+
+
+def _calls_per_sample(fn, repeats: int, min_time_s: float) -> int:
+    """Calls of ``fn`` per sample so that ``repeats`` samples last ``min_time_s``, after a
+    warm-up call (JIT compilation, caches) and one timed call."""
     fn()
-    once = max((time.perf_counter_ns() - start) * 1e-9, 1e-7)
-    inner = max(1, int(min_time_s / repeats / once))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter_ns()
-        for _ in range(inner):
-            fn()
-        samples.append((time.perf_counter_ns() - start) * 1e-9 / inner)
-    return statistics.median(samples)
+    once = max(_sample(fn, 1), 1e-7)
+    return max(1, int(min_time_s / repeats / once))
+
+
+def _sample(fn, calls: int) -> float:
+    """Seconds per call of ``calls`` back-to-back calls of ``fn``."""
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter_ns() - start) * 1e-9 / calls
 
 
 def time_pair(base, fn, repeats: int, min_time_s: float) -> tuple[float, float, float]:
@@ -123,28 +129,15 @@ def time_pair(base, fn, repeats: int, min_time_s: float) -> tuple[float, float, 
     a pair alternates (base first, then fn first), so that a steady drift favours neither.
     """
     time.sleep(SETTLE_S)
-    inner = []
-    for f in (base, fn):
-        f()  # warm-up: JIT compilation, caches
-        start = time.perf_counter_ns()
-        f()
-        once = max((time.perf_counter_ns() - start) * 1e-9, 1e-7)
-        inner.append(max(1, int(min_time_s / repeats / once)))
-
-    def sample(f, n):
-        start = time.perf_counter_ns()
-        for _ in range(n):
-            f()
-        return (time.perf_counter_ns() - start) * 1e-9 / n
-
+    inner = [_calls_per_sample(f, repeats, min_time_s) for f in (base, fn)]
     base_s, fn_s = [], []
     for i in range(2 * repeats + 1):
         if i % 2:
-            fn_s.append(sample(fn, inner[1]))
-            base_s.append(sample(base, inner[0]))
+            fn_s.append(_sample(fn, inner[1]))
+            base_s.append(_sample(base, inner[0]))
         else:
-            base_s.append(sample(base, inner[0]))
-            fn_s.append(sample(fn, inner[1]))
+            base_s.append(_sample(base, inner[0]))
+            fn_s.append(_sample(fn, inner[1]))
     ratios = [b / f for b, f in zip(base_s, fn_s)]
     return statistics.median(fn_s), statistics.median(base_s), statistics.median(ratios)
 
