@@ -60,6 +60,12 @@ def assert_equal(name, ref, out):
     )
 
 
+def cosine(a, b):
+    """Cosine similarity of two arrays (any backend), flattened, in float64."""
+    a, b = to_numpy(a).ravel().astype(np.float64), to_numpy(b).ravel().astype(np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
 def numerical_grad(f, x, eps=1e-6):
     """Central finite differences of the scalar ``f()`` with respect to float64 array ``x``.
 

@@ -47,19 +47,17 @@ store-to-load latencies (1.15x slower forward, 1.07x backward through BLAS). The
 It stores neither D (formed row by row in the pass that uses it) nor X (bx = beta * (V - a * (K
 @ S0)) in that pass), and asks for the next block's input rows while a block runs.
 
-Where the time goes (one thread, K = V = 64, float32, on the tiles; microseconds per block of
-64 tokens, measured section by section on a Zen 5 EPYC): forward ~20.5 with the inputs in cache
-(one task), ~24 in the layout of B = 4, H = 8 (80 MB a call, rows H apart); the products 14.7
-([Q; K] @ S0 4.1, [Q; K] @ K.T 4.1, delta 2.1, the output's P @ delta 1.7, the state update
-2.2), the element passes ~4 (decays 0.3, loads with k.T and b * k 1.9, the D / L / P / bx pass
-1.25, output rows 0.4) and memory the rest; a call's fresh outputs (32 MB: the output and a
-checkpoint a block) cost ~2.5 ms more in page faults at that shape, the token-by-token kernels
-~1. Backward ~47, the set-up recomputed (~12: it leaves out Q @ S0, whose one use,
-do . (q @ S0), is q . (do @ S0.T) from dq's product) and ~35 of its own: eleven products ~27,
-the pairwise decay-gradient loops ~3, transposes ~1.2, loads and stores ~3. A full 64 x 64 x 64
-product takes 2.1 us on the tiles (~250 GFLOP/s), a triangular one 1.7 (its six-row tiles pay
-per call). The token-by-token kernels take ~41-55 us a block forward and ~80 backward, so the
-products alone (~14.7 us forward, ~35 backward) put 2.5x out of reach at this tile rate
+Where the time goes (one thread, float32 on the tiles, B = 4, T = 2048, H = 8, K = V = 64;
+microseconds per block of 64 tokens on a Zen 5 EPYC, from a copy of these kernels with one part
+removed at a time): forward 26-27.5, of which the products 15.5-16 (all of them removed: 10.5-11
+left), the q / k loads with k.T and b * k 3, the D / L / P / bx pass 1.8, the output rows 1.6,
+the checkpoint copy 1.0, the decays 0.8. Backward 66-67.5: the products 38.5 (all removed: 28
+left), the set-up recomputed 18.3 (its solve for A 6.3; it leaves out Q @ S0, whose one use,
+do . (q @ S0), is q . (do @ S0.T) from dq's product), the pairwise decay-gradient loops 4.4. A
+full 64 x 64 x 64 product takes 2.1 us on the tiles (~250 GFLOP/s, this core's FMA peak), a
+triangular one 1.7 (its six-row tiles pay per call). The token-by-token kernels take 54 forward
+and 89-97 backward in the same runs, so 2.5x their speed needs <= 21.5 and <= 36-39: the
+backward's products alone exceed that, and the forward's leave 5.5 us for 11 of element passes
 (``_numba.py`` has the measured ratios).
 """
 
