@@ -2,7 +2,8 @@
 (``lowbit._backend.read_only``), so an input a user froze (a read-only memory map, say) runs the
 specializations already compiled for writable ones, with the same bits, and compiles nothing
 new. One op of each kernel family: the scans, the segmented attention, the BDH layer's causal
-linear attention. References: the ops' own tests compare these paths with ``reference/``."""
+linear attention, layer norm, embedding, the quantizers, bit packing, the sparse saver and the
+straight-through linear. References: the ops' own tests compare these paths with ``reference/``."""
 
 from __future__ import annotations
 
@@ -100,13 +101,91 @@ def _lowrank(rng):
     return inputs, dout, run, (_numba,)
 
 
-@pytest.mark.parametrize("case", [_gated_delta, _selective, _attention, _lowrank])
+def _layer_norm(rng):
+    from lowbit.ops.layer_norm import _numba
+
+    inputs = [rng.standard_normal((6, 40)).astype(np.float32)]
+    dout = rng.standard_normal((6, 40)).astype(np.float32)
+
+    def run(args, g):
+        out, ctx = lowbit.layer_norm_forward(*args)
+        return out, lowbit.layer_norm_backward(g, ctx)
+
+    return inputs, dout, run, (_numba,)
+
+
+def _embedding(rng):
+    from lowbit.ops.embedding import _numba
+
+    inputs = [rng.standard_normal((11, 8)).astype(np.float32),
+              rng.integers(0, 11, 30).astype(np.int64)]
+    dout = rng.standard_normal((30, 8)).astype(np.float32)
+
+    def run(args, g):
+        out, ctx = lowbit.embedding_forward(*args)
+        return out, lowbit.embedding_backward(g, ctx)
+
+    return inputs, dout, run, (_numba,)
+
+
+def _codes(rng):
+    """Weight and activation quantizers, bit packing and the sparse saver (no backward)."""
+    from lowbit.ops.pack_bits import _numba as pack
+    from lowbit.ops.quantize import _numba as quantize
+    from lowbit.ops.saved_activation import _numba as saved
+    from lowbit.ops.saved_activation._numba import _sparse
+
+    inputs = [rng.standard_normal((40, 24)).astype(np.float32),
+              rng.integers(0, 4, (5, 37)).astype(np.uint8),
+              np.maximum(rng.standard_normal(3000), 0).astype(np.float32)]
+
+    def run(args, g):
+        w, codes, nonneg = args
+        got = []
+        for fmt in ("ternary", "sign", "int8"):
+            pw = lowbit.quantize_weight(w, fmt)
+            got += [pw.data, pw.scale]
+        qa = lowbit.quantize_activation(w)
+        packed = lowbit.pack_bits(codes, 2)
+        sparse = lowbit.pack_activation(nonneg, "sparse", kind="nonneg")
+        return (*got, qa.codes, qa.scale, packed, lowbit.unpack_bits(packed, 2, codes.shape[-1]),
+                sparse.mask, sparse.codes, sparse.scales)
+
+    return inputs, None, run, (quantize, pack, saved, _sparse)
+
+
+@pytest.mark.parametrize("act_format", ["int8", None])
+def test_read_only_linear_compiles_nothing_new(rng, act_format):
+    """The straight-through linear (float activations kept as given: the dw tiles read them)."""
+    from lowbit.ops.packed_matmul import _numba
+    from lowbit.ops.packed_matmul._numba import _backward, _fma, _vnni
+
+    x = rng.standard_normal((16, 48)).astype(np.float32)
+    w = rng.standard_normal((48, 64)).astype(np.float32)
+    dy = rng.standard_normal((16, 64)).astype(np.float32)
+
+    def run(x, dy):
+        out, ctx = lowbit.linear_forward(x, w, "ternary", act_format)
+        return (out, *lowbit.linear_backward(dy, ctx))
+
+    with lowbit.use_backend("numba"):
+        writable = run(x, dy)
+        before = _compiled(_numba, _backward, _fma, _vnni)
+        frozen = run(*_frozen([x, dy]))
+        after = _compiled(_numba, _backward, _fma, _vnni)
+    assert after == before
+    for a, b in zip(writable, frozen):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("case", [_gated_delta, _selective, _attention, _lowrank, _layer_norm,
+                                  _embedding, _codes])
 def test_read_only_inputs_compile_nothing_new_and_give_the_same_bits(rng, case):
     inputs, dout, run, modules = case(rng)
     with lowbit.use_backend("numba"):
         writable = run(inputs, dout)
         before = _compiled(*modules)
-        frozen = run(_frozen(inputs), _frozen([dout])[0])
+        frozen = run(_frozen(inputs), None if dout is None else _frozen([dout])[0])
         after = _compiled(*modules)
     assert after == before
     for a, b in zip(writable, frozen):

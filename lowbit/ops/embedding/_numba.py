@@ -64,13 +64,14 @@ def forward(table, ids):
     """table: [V, D] float, ids: [P] int64 in [0, V) -> out [P, D] of table's dtype."""
     out = _backend.empty((ids.shape[0], table.shape[1]), table.dtype)
     if out.size:
-        _gather(table, ids, out)
+        _gather(*_backend.read_only(table, ids), out)
     return out
 
 
 def backward(dout, ids, vocab):
     """dout: [P, D] float, ids: [P] int64 in [0, vocab) -> dtable [vocab, D] of dout's dtype."""
     dtable = _backend.empty((vocab, dout.shape[1]), dout.dtype)
+    dout, ids = _backend.read_only(dout, ids)
     offsets, order = _counting_sort(ids, vocab)
     _scatter_add(dout, offsets, order, COLUMN_CHUNK, dtable)
     return dtable

@@ -163,8 +163,8 @@ def forward(x, eps):
     mean = _backend.empty(x.shape[:-1], x.dtype)
     rstd = _backend.empty(x.shape[:-1], x.dtype)
     kernel = _forward_parallel if x.size >= PARALLEL_MIN else _forward_serial
-    kernel(np.ascontiguousarray(x).reshape(-1, D), y.reshape(-1, D), mean.reshape(-1),
-           rstd.reshape(-1), float(eps))
+    kernel(_backend.read_only(np.ascontiguousarray(x).reshape(-1, D)), y.reshape(-1, D),
+           mean.reshape(-1), rstd.reshape(-1), float(eps))
     return y, mean, rstd
 
 
@@ -173,6 +173,7 @@ def backward(dy, y, rstd):
     D = dy.shape[-1]
     dx = _backend.empty(dy.shape, dy.dtype)
     kernel = _backward_parallel if dy.size >= PARALLEL_MIN else _backward_serial
-    kernel(np.ascontiguousarray(dy).reshape(-1, D), np.ascontiguousarray(y).reshape(-1, D),
-           np.ascontiguousarray(rstd).reshape(-1), dx.reshape(-1, D))
+    kernel(*_backend.read_only(np.ascontiguousarray(dy).reshape(-1, D),
+                               np.ascontiguousarray(y).reshape(-1, D),
+                               np.ascontiguousarray(rstd).reshape(-1)), dx.reshape(-1, D))
     return dx

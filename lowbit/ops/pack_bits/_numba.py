@@ -46,7 +46,7 @@ def pack(codes, bits):
     rows, n = codes.shape
     out = _backend.empty((rows, -(-n // (8 // bits))), np.uint8)
     if out.size:
-        _pack(codes, bits, out)
+        _pack(_backend.read_only(codes), bits, out)
     return out
 
 
@@ -54,5 +54,5 @@ def unpack(packed, bits, count):
     """packed: [rows, nbytes] uint8 -> [rows, count] uint8."""
     out = _backend.empty((packed.shape[0], count), np.uint8)
     if out.size:
-        _unpack(packed, bits, out)
+        _unpack(_backend.read_only(packed), bits, out)
     return out

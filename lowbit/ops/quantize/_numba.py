@@ -183,6 +183,7 @@ def weight_codes(w, format):
     """w: [K, N] float -> (data, scale in w's dtype): data [N, K] int8 codes ("int8") or, for
     ternary and sign, the codes already packed along K, [N, ceil(K / per)] uint8."""
     K, N = w.shape
+    w = _backend.read_only(w)
     if format == "int8":
         scale = _backend.empty((N,), w.dtype)
         _column_scales(w, scale)
@@ -204,7 +205,7 @@ def unpack_weight(data, format, K):
     if format == "int8":
         out[...] = data
     elif out.size:
-        _unpack_weight(data, WEIGHT_FORMATS[format], format == "ternary", K, out)
+        _unpack_weight(_backend.read_only(data), WEIGHT_FORMATS[format], format == "ternary", K, out)
     return out
 
 
@@ -213,7 +214,7 @@ def row_codes(x, qmax):
     codes = _backend.empty(x.shape, np.int8)
     scale = _backend.empty(x.shape[:1], np.float32)
     if x.size:
-        x = np.ascontiguousarray(x)
+        x = _backend.read_only(np.ascontiguousarray(x))
         kind, magnitude, inf = _UNSIGNED[x.dtype]
         cell = np.empty(1, x.dtype)
         _quantize_rows(x, x.view(kind), kind(magnitude), kind(inf), qmax, codes, scale, cell,

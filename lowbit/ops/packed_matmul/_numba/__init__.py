@@ -104,7 +104,7 @@ def matmul_dx(dy, data, scale_w, format, K):
     g = dy if per_tensor else np.ascontiguousarray(dy * scale_w, dtype=np.float32)
     if M > GEMV_MAX_ROWS and _fma.AVAILABLE:
         scale = np.float32(scale_w if per_tensor else 1)
-        _fma.dx_kernel(g, data, _BITS[format], K, scale, _fma.KC, dx)
+        _fma.dx_kernel(*_backend.read_only(g, data), _BITS[format], K, scale, _fma.KC, dx)
         return dx
     if M <= GEMV_MAX_ROWS:
         _backward.dx_gemv(g, data, format, K, dx)
@@ -144,5 +144,5 @@ def matmul_dw(dy, a, scale_a):
         a = _backward.dequantize_rows(a, scale_a, transposed)
     elif transposed:
         a = np.ascontiguousarray(a.T)
-    _fma.dw_kernel(a, transposed, dy, _fma.KC, dw)
+    _fma.dw_kernel(_backend.read_only(a), transposed, _backend.read_only(dy), _fma.KC, dw)
     return dw

@@ -94,6 +94,7 @@ def unpack_dense(codes, scales, mins, bits, n, group_size):
 
 def pack_sparse(flat, group_size, stochastic, key):
     """Mask plus 8-bit codes of the nonzeros; see ``_numpy.pack_sparse`` for shapes."""
+    flat = _backend.read_only(flat)
     size = flat.size
     chunks = -(-size // SPARSE_CHUNK)
     mask = _backend.empty((-(-size // 8),), np.uint8)
