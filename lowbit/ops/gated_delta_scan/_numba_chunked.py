@@ -3,13 +3,11 @@ across blocks, the state recurrence. Parallel over batch x head. The numba backe
 it is faster than its token-by-token kernels (``_numba.use_chunked``: float32, K = V = 64, on
 AVX-512; ``_numba.py`` has the rule and the measurements).
 
-Siblings: ``_numba_chunked_tiles.py`` (the products: AVX-512 tiles or BLAS), ``_numba.py`` (the
-token-by-token kernels, and the rule that picks between the two forms), ``_numpy.py``;
-reference ``reference/gated_delta_scan.py``; tests ``tests/test_gated_delta_scan_chunked.py``;
-timed in ``bench/scan.py`` against the token-by-token kernels and flash-linear-attention's
-torch peer. ``forward`` and ``backward`` keep the backend contract of ``_numpy.py`` for one
-decay per head (log_decay [B, T, H, 1]): the pairwise decays of per-key gates would cost one
-product per key and pair, as much work as the recurrence.
+Siblings: ``_numba_chunked_tiles.py`` (the products), ``_numba.py`` (the token-by-token kernels
+and the rule), ``_numpy.py``; reference ``reference/gated_delta_scan.py``; tests
+``tests/test_gated_delta_scan_chunked.py``; timed in ``bench/scan.py``. ``forward`` and
+``backward`` keep ``_numpy.py``'s contract for one decay per head (log_decay [B, T, H, 1]):
+per-key gates' pairwise decays would cost one product per key and pair, the recurrence's work.
 
 For one block of n tokens entering with state S0 [K, V] (Yang et al., Gated Delta Networks; the
 form of flash-linear-attention's ``chunk_gated_delta_rule``), with D[t, s] the product of the
@@ -57,8 +55,7 @@ do . (q @ S0), is q . (do @ S0.T) from dq's product), the pairwise decay-gradien
 full 64 x 64 x 64 product takes 2.1 us on the tiles (~250 GFLOP/s, this core's FMA peak), a
 triangular one 1.7 (its six-row tiles pay per call). The token-by-token kernels take 54 forward
 and 89-97 backward in the same runs, so 2.5x their speed needs <= 21.5 and <= 36-39: the
-backward's products alone exceed that, and the forward's leave 5.5 us for 11 of element passes
-(``_numba.py`` has the measured ratios).
+backward's products alone exceed that, the forward's leave 5.5 us for 11 of element passes.
 """
 
 import math
@@ -228,16 +225,20 @@ def _forward_block(q, k, v, log_decay, beta, b, h, t0, n, s, out, ws, tiles):
     for t in range(big - 1, -1, -1):  # b_t, the decays after token t
         coef[2, t] = total
         total *= gam[0, t]
-    for t in range(big):
-        live = t < n
+    for t in range(big):  # t < n tested once a token, not once an element: 1.02x the forward
         bt = coef[2, t]
-        for i in range(nk):
-            kv = k[b, t0 + t, h, i] if live else 0
-            qk2[t, i] = q[b, t0 + t, h, i] if live else 0
-            qk2[big + t, i] = kv
-            kt[t, i] = bt * kv
-        for i in range(nk):
-            k_t[i, t] = qk2[big + t, i]
+        if t < n:
+            for i in range(nk):
+                kv = k[b, t0 + t, h, i]
+                qk2[t, i] = q[b, t0 + t, h, i]
+                qk2[big + t, i] = kv
+                kt[t, i] = bt * kv
+        else:
+            for i in range(nk):
+                qk2[t, i] = 0
+                qk2[big + t, i] = 0
+                kt[t, i] = 0
+    transpose(qk2[big:], k_t)
     # The next block's rows arrive while this one runs its products.
     for a in (q, k, v):
         prefetch_rows(a, b, t0 + big, t0 + 2 * big, h, False)
