@@ -101,17 +101,21 @@ def _lowrank(rng):
     return inputs, dout, run, (_numba,)
 
 
+def _forward_backward(forward, backward):
+    """``run`` of an op whose forward returns (out, ctx) and whose backward one gradient."""
+    def run(args, g):
+        out, ctx = forward(*args)
+        return out, backward(g, ctx)
+    return run
+
+
 def _layer_norm(rng):
     from lowbit.ops.layer_norm import _numba
 
     inputs = [rng.standard_normal((6, 40)).astype(np.float32)]
     dout = rng.standard_normal((6, 40)).astype(np.float32)
-
-    def run(args, g):
-        out, ctx = lowbit.layer_norm_forward(*args)
-        return out, lowbit.layer_norm_backward(g, ctx)
-
-    return inputs, dout, run, (_numba,)
+    return (inputs, dout, _forward_backward(lowbit.layer_norm_forward, lowbit.layer_norm_backward),
+            (_numba,))
 
 
 def _embedding(rng):
@@ -120,12 +124,8 @@ def _embedding(rng):
     inputs = [rng.standard_normal((11, 8)).astype(np.float32),
               rng.integers(0, 11, 30).astype(np.int64)]
     dout = rng.standard_normal((30, 8)).astype(np.float32)
-
-    def run(args, g):
-        out, ctx = lowbit.embedding_forward(*args)
-        return out, lowbit.embedding_backward(g, ctx)
-
-    return inputs, dout, run, (_numba,)
+    return (inputs, dout, _forward_backward(lowbit.embedding_forward, lowbit.embedding_backward),
+            (_numba,))
 
 
 def _codes(rng):
