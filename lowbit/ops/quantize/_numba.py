@@ -205,7 +205,8 @@ def unpack_weight(data, format, K):
     if format == "int8":
         out[...] = data
     elif out.size:
-        _unpack_weight(_backend.read_only(data), WEIGHT_FORMATS[format], format == "ternary", K, out)
+        _unpack_weight(_backend.read_only(data), WEIGHT_FORMATS[format], format == "ternary", K,
+                       out)
     return out
 
 
