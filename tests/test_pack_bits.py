@@ -71,12 +71,15 @@ def test_more_than_2_31_codes_on_numba():
     with lowbit.use_backend("numba"):
         packed = lowbit.pack_bits(codes, 1)
         assert packed.shape == (-(-n // 8),)
-        np.testing.assert_array_equal(np.flatnonzero(np.unpackbits(packed, bitorder="little")),
-                                      marks)
+        # The set bits, from the nonzero bytes only (unpacking all 2**31 bits took seconds).
+        nonzero = np.flatnonzero(packed)
+        bits = np.unpackbits(packed[nonzero], bitorder="little").reshape(-1, 8).astype(bool)
+        np.testing.assert_array_equal((nonzero[:, None] * 8 + np.arange(8))[bits], marks)
         del codes
         back = lowbit.unpack_bits(packed, 1, n)
     assert back.shape == (n,)
-    np.testing.assert_array_equal(np.flatnonzero(back), marks)
+    # flatnonzero(back) == marks, without its 2**31-element scan into a list of indices.
+    assert np.count_nonzero(back) == marks.size and back[marks].all()
 
 
 # -- validation: one test per rule, the message names the argument ---------------------------
