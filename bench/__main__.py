@@ -1,4 +1,5 @@
-"""``python -m bench [suite ...] [--quick] [--long] [--backend NAME] [--plot FILE.png]``.
+"""``python -m bench [SUITE ...] [--quick | --long] [--gpu] [--backend NAME] [--plot FILE.png]
+[--check] [--results DIR]``.
 
 With no suite named it runs the main job: the BDH language model trained from the same initial
 parameters on the same batches under fp32 and low-bit configurations (``bench/train.py``: losses,
@@ -7,6 +8,10 @@ tokens/s, peak step memory, saved bytes, a generated sample, and the targets); i
 the same with the torch peer when torch is installed. Other named suites run in full, one table
 each, with the thread counts, writing ``bench/results/<suite>.json`` (``lowrank_residual``: the
 layer-level saved-activation policy table). Suites: one module each in ``bench/``.
+
+``--gpu`` (cupy arrays) and ``--backend`` apply to every suite and to the training; a flag the
+run would not use is refused (exit 2), and ``--check`` makes the exit status 1 when a target is
+missed (without it, a missed target is reported and the exit status stays 0).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import importlib
 import sys
 import time
 
+from lowbit._dispatch import BACKENDS, backend_unavailable_reason
+
 from . import _harness
 
 #: Every suite, runnable by name (``python -m bench SUITE``) and under pytest-benchmark.
@@ -23,44 +30,100 @@ SUITES = ("pack_bits", "matmul", "scan", "attention", "memory", "lowrank_residua
           "cross_entropy", "layer_norm", "adamw", "io", "train")
 
 
+DESCRIPTION = (
+    "lowbit's benchmarks. With no SUITE named: the main job, the BDH language model trained "
+    "fp32 against low-bit from the same parameters on the same batches (bench/train.py), its "
+    "targets, bench/results/main.json. With SUITEs: each suite's table and "
+    "bench/results/SUITE.json (train: the main job's training, plus the torch peer).")
+
+
+def _suite(name: str) -> str:
+    if name not in SUITES:
+        raise argparse.ArgumentTypeError(f"unknown suite {name!r} (choose from "
+                                         f"{', '.join(SUITES)})")
+    return name
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench", description=DESCRIPTION)
+    p.add_argument("suites", nargs="*", type=_suite, metavar="SUITE",
+                   help=f"suites to run, one of: {', '.join(SUITES)} (default: none, the main "
+                        "job)")
+    p.add_argument("--quick", action="store_true", help="small shapes (CI)")
+    p.add_argument("--backend", choices=BACKENDS,
+                   help="force a backend (lowbit.use_backend), the training's too")
+    p.add_argument("--gpu", action="store_true",
+                   help="run on cupy arrays, the training's too (needs cupy and a CUDA device)")
+    p.add_argument("--results", metavar="DIR", default=None,
+                   help="directory for the JSON results (default: bench/results)")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="main job / train: draw the loss curves (needs the plot extra)")
+    p.add_argument("--long", action="store_true",
+                   help="main job / train: the longer training run of bench/train.py")
+    p.add_argument("--distributed", action="store_true",
+                   help="train only: data-parallel under mpiexec (bench/train_distributed.py)")
+    p.add_argument("--check", action="store_true",
+                   help="exit status 1 when a target is missed (default: reported, exit 0)")
+    return p
+
+
+def _refuse_unused(p: argparse.ArgumentParser, args) -> None:
+    """``p.error`` (exit 2) for a flag that what is run would not use, or cannot run here."""
+    others = [s for s in args.suites if s != "train"]
+    if args.quick and args.long:
+        p.error("--quick and --long are two training shapes: choose one")
+    for flag, used in (("--long", args.long), ("--plot", args.plot)):
+        if used and others:
+            p.error(f"{flag} applies to the main job and train only, not to {', '.join(others)}")
+        if used and args.distributed:
+            p.error(f"{flag} applies to the training comparison, not to train --distributed")
+    if args.distributed and args.suites != ["train"]:
+        p.error("--distributed applies to train alone: python -m bench train --distributed")
+    if args.distributed and args.gpu:
+        p.error("train --distributed runs on numpy arrays; --gpu is not supported there")
+    if args.gpu and args.backend not in (None, "cuda"):
+        p.error(f"--gpu runs on cupy arrays, which the {args.backend} backend does not run: "
+                "drop --backend or use --backend cuda")
+    if args.backend == "cuda" and not args.gpu:
+        p.error("--backend cuda runs on cupy arrays: add --gpu")
+    for backend in {"cuda" if args.gpu else None, args.backend} - {None}:
+        reason = backend_unavailable_reason(backend)
+        if reason:
+            p.error(f"{'--gpu' if args.gpu else '--backend ' + backend}: {reason}")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument("suites", nargs="*", choices=[[], *SUITES], metavar="SUITE",
-                        help=f"suites to run (default: all of {', '.join(SUITES)})")
-    parser.add_argument("--quick", action="store_true", help="small shapes (CI)")
-    parser.add_argument("--backend", help="force a backend (numpy, numba, cudasim, cuda)")
-    parser.add_argument("--gpu", action="store_true", help="run on cupy arrays")
-    parser.add_argument("--results", default=None, help="directory for the JSON results")
-    parser.add_argument("--plot", metavar="FILE.png", default=None,
-                        help="main job: draw the loss curves (needs the plot extra)")
-    parser.add_argument("--long", action="store_true",
-                        help="main job / train: the longer training run of bench/train.py")
-    parser.add_argument("--distributed", action="store_true",
-                        help="train: data-parallel under mpiexec (bench/train_distributed.py)")
-    args = parser.parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    _refuse_unused(p, args)
     _import_torch_first()
     config = _harness.Config(quick=args.quick, gpu=args.gpu, backend=args.backend)
     print(f"threads: {_harness.threads()}", flush=True)
+    missed = []
     if not args.suites:
-        return _main_job(args, config)
+        missed += _main_job(args, config)
     for name in args.suites:
         if name == "train" and args.distributed:
-            from . import train_distributed
+            from . import train, train_distributed
 
-            train_distributed.main(args, config)
+            with train.forced_backend(args.backend):
+                train_distributed.main(args, config)
             continue
         if name == "train":
-            _main_job(args, config, peers=True)
+            missed += _main_job(args, config, peers=True)
             continue
         start = time.perf_counter()
         print(f"\n== {name} ==", flush=True)
         module = importlib.import_module(f"bench.{name}")
-        rows = _harness.run_cases(module.cases(config), config,
-                                  progress=lambda s: print(s, file=sys.stderr, flush=True))
+        rows = _harness.run_cases(module.cases(config), config, progress=_progress, family=name)
         print(_harness.table(rows))
         path = _harness.write_json(name, rows, config, args.results)
         print(f"({time.perf_counter() - start:.1f} s, {path})", flush=True)
-    return 0
+        missed += _harness.missed_targets(rows)
+    if missed:
+        _progress(f"{len(missed)} target(s) missed: {'; '.join(missed)}" +
+                  ("" if args.check else " (exit status 0: --check makes it 1)"))
+    return 1 if args.check and missed else 0
 
 
 def _import_torch_first():
@@ -77,13 +140,15 @@ def _progress(message):
     print(message, file=sys.stderr, flush=True)
 
 
-def _main_job(args, config, *, peers=False) -> int:
-    """The training comparison of ``bench/train.py``: one table, its targets, JSON, a plot."""
+def _main_job(args, config, *, peers=False) -> list[str]:
+    """The training comparison of ``bench/train.py`` (on cupy arrays with ``--gpu``, under
+    ``--backend``): one table, its targets, JSON, a plot. Returns the targets missed."""
     from lowbit.models import train as training
 
     from . import train
 
     start = time.perf_counter()
+    xp = _harness.xp(config)
     run = train.LONG if args.long else train.shape(config)
     corpus = training.default_corpus()
     entropy = training.unigram_entropy(corpus)
@@ -91,16 +156,21 @@ def _main_job(args, config, *, peers=False) -> int:
           f"corpus: CPython's pydoc_data.topics, {len(corpus):,} bytes, unigram entropy "
           f"{entropy:.3f} nats/byte", flush=True)
     _progress("  checking the model against the float64 reference ...")
-    train.check_small()
-    rows, curves = train.comparison(run, corpus, progress=_progress)
+    with train.forced_backend(args.backend):
+        train.check_small(xp)
+        rows, curves = train.comparison(run, corpus, progress=_progress, xp=xp)
+    if peers and config.gpu:
+        print("(the torch peer runs on the CPU: not compared with a --gpu run)")
+        peers = False
     if peers:
         from . import train_torch
 
         rows += train_torch.rows(run, corpus, progress=_progress)
     print(_harness.table([{k: v for k, v in r.items() if k != "sample"} for r in rows]))
-    print("peak step MiB: lowbit.profile's tracemalloc peak of one step (forward, backward, "
-          "AdamW), every array allocated in the step; parameters and AdamW moments, held "
-          "before it, excluded" + ("; torch: torch.profiler's CPU memory peak" if peers else ""))
+    print("peak step MiB: lowbit.profile's peak of one step (forward, backward, AdamW; "
+          + ("CuPy's memory pool" if config.gpu else "tracemalloc: every array allocated in the "
+             "step") + "); parameters and AdamW moments, held before it, excluded"
+          + ("; torch: torch.profiler's CPU memory peak" if peers else ""))
     for r in rows:
         print(f"  sample {r['case']}: {r['sample']!r}")
     target_rows = []
@@ -116,7 +186,7 @@ def _main_job(args, config, *, peers=False) -> int:
     if args.plot:
         train.plot(curves, entropy, args.plot, train.describe(run))
         print(f"loss curves drawn in {args.plot}")
-    return 0
+    return [f"train/{r['case']}" for r in target_rows if not r["met"]]
 
 
 if __name__ == "__main__":

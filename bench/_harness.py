@@ -10,11 +10,15 @@ its ratio is the named baseline's median divided by its own, measured in the sam
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import importlib.metadata
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -75,6 +79,58 @@ class Case:
     flops: float | None = None
     info: dict = dataclasses.field(default_factory=dict)
     paired: bool = False
+
+
+#: Kernel families whose first call has been announced in this process (``first_call``).
+_ANNOUNCED: set = set()
+#: How many announced first calls are running (a first call nested in one is part of it).
+_announcing = [0]
+
+
+def _announce(family: str) -> bool:
+    """Print the line before the first (cold) call of ``family``; False (nothing printed) when
+    it was announced before or runs inside an announced first call."""
+    if family in _ANNOUNCED or _announcing[0]:
+        return False
+    _ANNOUNCED.add(family)
+    print(f"compiling {family} kernels (first call) ...", file=sys.stderr, flush=True)
+    return True
+
+
+def _announced_took(family: str, seconds: float) -> None:
+    print(f"  {family}: first call took {seconds:.1f} s", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _cold(announced: bool):
+    """The body runs as (part of) an announced first call: first calls nested in it are quiet."""
+    _announcing[0] += announced
+    try:
+        yield
+    finally:
+        _announcing[0] -= announced
+
+
+@contextlib.contextmanager
+def first_call(family: str):
+    """Announce the first (cold) call of a kernel family on stderr: a line before the body (its
+    JIT compilation or kernel loading can take minutes), its time after. Later calls of the
+    family, and first calls nested in an announced one (part of its time), print nothing."""
+    announced = _announce(family)
+    start = time.perf_counter()
+    with _cold(announced):
+        yield
+    if announced:
+        _announced_took(family, time.perf_counter() - start)
+
+
+def missed_targets(rows: list[dict]) -> list[str]:
+    """``suite/case: key`` of every verdict in ``rows`` that is False (a ``met`` column or one
+    ending in `` met``: the targets of ``Case.target`` and of the suites' own checks)."""
+    return [f"{r.get('suite', '-')}/{r.get('case', '-')}: {key}" for r in rows
+            for key, value in r.items()
+            if (key == "met" or key.endswith(" met")) and isinstance(value, (bool, np.bool_))
+            and not value]
 
 
 def threads() -> dict:
@@ -149,14 +205,35 @@ def time_gpu(fn, repeats: int) -> float:
     return float(statistics.median(result.gpu_times[0]))
 
 
-def run_cases(cases, config: Config, progress=print) -> list[dict]:
-    """Check, then time, every case; return one result dict per case."""
+def run_cases(cases, config: Config, progress=print, family: str | None = None) -> list[dict]:
+    """Check, then time, every case; return one result dict per case.
+
+    ``family`` (the suite's name, say): its first (cold) calls are announced on stderr before
+    the first case is built (a suite's setup between cases calls its ops too), and their time,
+    the untimed work (building the cases, their checks) up to the first check, after it.
+    Without it, the first check of each suite is announced.
+    """
     rows = []
     by_name, fns = {}, {}
-    for case in cases:
-        progress(f"  {case.suite}/{case.name} ...")
-        if case.check is not None:
-            case.check()
+    cases = iter(cases)
+    cold = family is not None and _announce(family)
+    cold_s = 0.0
+    while True:
+        begin = time.perf_counter()
+        with _cold(cold):
+            case = next(cases, None)
+            if case is not None:
+                progress(f"  {case.suite}/{case.name} ...")
+                if case.check is not None:
+                    with first_call(family or case.suite):
+                        case.check()
+        if cold:
+            cold_s += time.perf_counter() - begin
+            if case is None or case.check is not None:
+                _announced_took(family, cold_s)
+                cold = False
+        if case is None:
+            break
         seconds = pair = None
         if case.paired and case.fn is not None and not config.gpu:
             seconds, base_seconds, ratio = time_pair(fns[case.baseline], case.fn,
@@ -220,6 +297,64 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
+def metadata() -> dict:
+    """What produced a result file (every JSON writer of ``bench/`` stores it): the lowbit
+    version, the checkout's git commit (None outside a git checkout), the CPU model and the
+    versions of numpy, numba and cupy (None when not installed; read from the installed
+    distributions, so nothing is imported for it)."""
+    import lowbit
+
+    return {"lowbit": lowbit.__version__, "git_commit": _git_commit(), "cpu": _cpu_model(),
+            **{name: _version(name) for name in ("numpy", "numba", "cupy")}}
+
+
+@functools.lru_cache(maxsize=None)
+def _git_commit() -> str | None:
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = done.stdout.strip()
+    return commit if done.returncode == 0 and commit else None
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and ":" in line:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if sys.platform == "darwin":
+        try:
+            done = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"],
+                                  capture_output=True, text=True, timeout=10)
+            if done.returncode == 0 and done.stdout.strip():
+                return done.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=None)
+def _version(module: str) -> str | None:
+    """The version of the distribution that provides ``module`` (``cupy``: ``cupy-cuda12x``
+    and the like), None when none is installed."""
+    names = importlib.metadata.packages_distributions().get(module) or [module]
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def write_json(name: str, rows: list[dict], config: Config, directory: Path | None = None) -> Path:
     directory = Path(directory) if directory is not None else RESULTS_DIR
     directory.mkdir(parents=True, exist_ok=True)
@@ -229,6 +364,7 @@ def write_json(name: str, rows: list[dict], config: Config, directory: Path | No
         "threads": threads(),
         "python": sys.version.split()[0],
         "machine": platform.machine(),
+        "metadata": metadata(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "rows": rows,
     }

@@ -38,7 +38,7 @@ from ._harness import Case, Config
 
 SUITE = "attention"
 THREADS = 2
-#: The issue's floor for exact attention: this share of one square sgemm's GFLOP/s.
+#: The floor for exact attention: this share of one square sgemm's GFLOP/s.
 CEILING_SHARE = 0.6
 
 

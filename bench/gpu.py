@@ -1,22 +1,22 @@
-"""``python -m bench.gpu [--dry-run] [--deadline S]``: the prepared check for a lent GPU.
+"""``python -m bench.gpu [--dry-run] [--deadline S]``: the prepared check for a GPU machine.
 
 One call gives the whole picture: the environment (GPU, compute capability, driver, CUDA runtime,
-CuPy, NumPy), every kernel module compiled once up front and timed apart (the GPU machine starts
-with an empty kernel cache), ``pytest -m gpu`` with a per-test time limit and without ``-x``,
-then every speed suite of ``bench/`` on cupy arrays (``train``: one timed training step per
-configuration), then the kernel rows of ``bench/gpu_kernels.py``, one step per group
-(``gpu_kernels.gemv``, ``.gemm``, ``.attention``, ``.scans``; ``--suites gpu_kernels`` names them
-all). First, wheels in ``bench/results/wheels/`` (``--wheels``; the GPU machine has no network)
-of distributions the environment lacks, e.g. fla-core for the scans' peer, are installed with
-``pip install --no-deps --no-index --target`` into the call's temporary folder, which goes on
-every step's ``PYTHONPATH``. The steps share one deadline: each gets its share of the time that
-is left, so the last suite is not the first to be lost. Every step runs in a subprocess whose
-stdout and stderr go to a file, so a step killed at its limit still leaves a readable log; a
-kernel group also writes its rows as it finishes them, so it keeps those.
+CuPy, NumPy), every kernel module compiled once up front and timed apart (a cold kernel cache costs
+its compile time there, not inside a test or a timed row), ``pytest -m gpu`` with a per-test time
+limit and without ``-x``, then every speed suite of ``bench/`` on cupy arrays (``train``: one timed
+training step per configuration), then the kernel rows of ``bench/gpu_kernels.py``, one step per
+group (``gpu_kernels.gemv``, ``.gemm``, ``.attention``, ``.scans``; ``--suites gpu_kernels`` names
+them all). First, wheels in ``bench/results/wheels/`` (``--wheels``: for a machine without network
+access) of distributions the environment lacks, e.g. fla-core for the scans' peer, are installed
+with ``pip install --no-deps --no-index --target`` into the call's temporary folder, which goes on
+every step's ``PYTHONPATH``. The steps share one deadline: each gets its share of the time that is
+left, so the last suite is not the first to be lost. Every step runs in a subprocess whose stdout
+and stderr go to a file, so a step killed at its limit still leaves a readable log; a kernel group
+also writes its rows as it finishes them, so it keeps those.
 
-Results go to ``$OUT`` (default ``bench/results/gpu``), three files, since at most 8 come back
-from the GPU machine: ``gpu.log`` (every step's output), ``gpu.json`` (environment, wheels,
-compile times, test outcomes, every suite's rows), ``junit.xml`` (the tests). The exit status is
+Results go to ``$OUT`` (default ``bench/results/gpu``), three files: ``gpu.log`` (every step's
+output), ``gpu.json`` (what produced it: ``_harness.metadata``; environment, wheels, compile
+times, test outcomes, every suite's rows), ``junit.xml`` (the tests). The exit status is
 non-zero when cupy does not import, no device is visible, zero GPU tests ran, or any step failed
 (a kernel row that raised fails its group's step).
 
@@ -52,7 +52,7 @@ from .gpu_kernels import GROUPS, run_group
 #: Steps of the kernel rows (``bench/gpu_kernels.py``): each group in its own process.
 KERNEL_SUITES = tuple(f"gpu_kernels.{group}" for group in GROUPS)
 
-#: Default wall-clock budget of the whole call, in seconds (an H200 is lent for ~15 minutes).
+#: Default wall-clock budget of the whole call, in seconds.
 DEFAULT_DEADLINE_S = 420
 #: Time kept back from the steps for writing the results.
 RESERVE_S = 5
@@ -66,7 +66,7 @@ TEST_LIMIT_S = 60
 #: The dry run's tests and suites: cudasim tests of a few ops, a suite that is quick on numba.
 DRY_TESTS = ("tests/test_pack_bits.py", "tests/test_quantize.py")
 DRY_SUITES = ("adamw", *KERNEL_SUITES)
-#: Wheels to install before the steps (the GPU machine has no network), when the folder exists.
+#: Wheels to install before the steps (offline, from this folder), when the folder exists.
 WHEELS_DIR = Path(__file__).resolve().parent / "results" / "wheels"
 WHEELS_LIMIT_S = 120
 #: Environment variables of the pytest plugin below.
@@ -276,7 +276,7 @@ def run_suite(name: str, dry_run: bool, to: Path) -> list[dict]:
         rows = run_group(name.partition(".")[2], config, progress, emit)
     else:
         module = importlib.import_module(f"bench.{name}")
-        rows = _harness.run_cases(module.cases(config), config, progress=progress)
+        rows = _harness.run_cases(module.cases(config), config, progress=progress, family=name)
     print(_harness.table(rows), flush=True)
     return rows
 
@@ -403,7 +403,8 @@ def main(argv=None) -> int:
         parser.error(f"unknown suites {unknown}; choose from gpu_kernels, {', '.join(known)}")
     out = Path(os.environ.get("OUT") or _harness.RESULTS_DIR / "gpu")
     out.mkdir(parents=True, exist_ok=True)
-    report = {"deadline_s": args.deadline, "test_limit_s": args.test_limit, "steps": {}}
+    report = {"deadline_s": args.deadline, "test_limit_s": args.test_limit,
+              "metadata": _harness.metadata(), "steps": {}}
     started = time.monotonic()
 
     def save():

@@ -375,7 +375,7 @@ def _scan_rows(run):
         def lowbit_run():
             """(out, state, ctx) of the forward and a function of the backward's gradients."""
             with run.forced():
-                out, state, ctx = forward(*data()[:-1])
+                out, state, ctx = forward(*data()[:-2], initial_state=data()[-2])
 
             @functools.cache
             def grads():
@@ -386,13 +386,13 @@ def _scan_rows(run):
         def fwd(row):
             inputs = data()[:-1]
             with run.forced():
-                out = forward(*inputs)[0]
+                out = forward(*inputs[:-1], initial_state=inputs[-1])[0]
             require(row, "out vs float64", ref(*map(head_slice, inputs))[0], head_slice(out),
                      REF_RTOL)
 
             def call():
                 with run.forced():
-                    forward(*inputs)
+                    forward(*inputs[:-1], initial_state=inputs[-1])
             return call
 
         def bwd(row):

@@ -2,8 +2,8 @@
 Hugging Face's BitNet layout, each direction, against a NumPy copy of the same packed bytes.
 
 Module: ``lowbit/io`` (``gguf.py``, ``hf_bitnet.py``, kernels in ``_numba.py``); tests
-``tests/test_io_gguf.py``, ``tests/test_io_hf_bitnet.py``. Targets (issue 13): at least 25% of the
-copy for TQ2_0 and HF; TQ1_0 (base-3 packing) is reported. Host only: no GPU cases.
+``tests/test_io_gguf.py``, ``tests/test_io_hf_bitnet.py``. Targets: at least 25% of the copy's
+speed for TQ2_0 and HF; TQ1_0 (base-3 packing) is reported. Host only: no GPU cases.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from lowbit.io import _numpy
 
 from ._harness import Case, Config
 
-#: The speed the issue asks of TQ2_0 and HF, as a fraction of the copy.
+#: The target speed of TQ2_0 and HF, as a fraction of the copy's.
 TARGET = 0.25
 
 

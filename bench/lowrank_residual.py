@@ -6,8 +6,8 @@ The model BDH trains: one low-rank residual layer applied 4 times with shared we
 projection; ``relu_threshold`` calibrated so that about 5% of the neurons are active), forward
 through all 4 applications then backward through all 4 (weight gradients summed in place with
 ``accumulate=``). One row per saved-activation policy: saved bytes and their ratio against fp32,
-the peak memory measured during the step and its ratio against the fp32 step's, the gradient
-cosine against fp32 (minimum over the three weights, and for the input), and the step time.
+the peak memory measured during the step, the gradient cosine against fp32 (minimum over the
+three weights), and the step time against the fp32 step's.
 
 Peak memory: on CPU ``tracemalloc``'s peak over the step, i.e. every buffer allocated during it
 (activations, saved tensors, temporaries, the input gradients); the weights and the weight
@@ -17,13 +17,13 @@ gradient buffers and accumulates into them), so they are not part of it. On GPU:
 measured steps a warm-up runs every policy on a tiny layer and one full fp32 step, so that no
 measured step pays for JIT compilation or first-use caches.
 
-Block patterns (issue 19): the same step with exact saved tensors and 100%, 50% and 25% of the
-latent blocks active (``PATTERN_BLOCK`` neurons each, spread evenly), timed against the dense
-step in alternation (``Case.paired``: the ratio is the median over dense/patterned pairs, so
-that a drift in the host's speed does not flip the verdict), with the saved bytes against dense
-(targets ``PATTERN_TARGETS``). At 25% a head has D
-active neurons, so its attention output is recomputed in the backward instead of saved
-(``lowbit/ops/lowrank_residual/_layer.py``, ``keeps_attention``); the step time includes that.
+Block patterns: the same step with exact saved tensors and 100%, 50% and 25% of the latent
+blocks active (``PATTERN_BLOCK`` neurons each, spread evenly), timed against the dense step in
+alternation (``Case.paired``: the ratio is the median over dense/patterned pairs, so that a
+drift in the host's speed does not flip the verdict), with the saved bytes against dense
+(targets ``PATTERN_TARGETS``). At 25% a head has D active neurons, so its attention output is
+recomputed in the backward instead of saved (``lowbit/ops/lowrank_residual/_layer.py``,
+``keeps_attention``); the step time includes that.
 
 Op: ``lowbit/ops/lowrank_residual``; reference: ``reference/lowrank_residual.py``.
 """
@@ -46,12 +46,6 @@ POLICIES = ("fp32", "int8", "int4", "int2", "sparse")
 #: Fraction of neurons the calibrated threshold keeps active (a trained BDH's density).
 TARGET_DENSITY = 0.05
 APPLICATIONS = 4
-#: Targets of the default configuration (issue 7): saved-bytes ratios against fp32, the sparse
-#: gradient cosine, and the sparse step's peak memory against the fp32 step's.
-SPARSE_BYTES_RATIO = 1 / 12
-INT2_BYTES_RATIO = 1 / 12
-SPARSE_MIN_COSINE = 0.999
-SPARSE_PEAK_RATIO = 1 / 3
 
 
 def shape(config: Config) -> dict:
@@ -59,7 +53,6 @@ def shape(config: Config) -> dict:
     if config.quick:
         return dict(B=1, T=64, D=64, H=2, N=256)
     return dict(B=2, T=256, D=256, H=4, N=1024)
-
 
 
 def _host(x):
@@ -131,7 +124,7 @@ def run_step(inputs, saved, plan, threshold, config, pattern=None, measure=True)
     every allocation, so the timed steps run without it and the checks measure).
 
     Returns a dict: grads (dcurrent, dencoder, dencoder_v, ddecoder), saved and dense bytes,
-    peak bytes (None unless ``measure``), seconds, the densities of x_neuron and y_gate.
+    peak bytes (None unless ``measure``), seconds.
     """
     current, encoder, encoder_v, decoder, dnext = inputs
     xp = _harness.xp(config)
@@ -155,7 +148,6 @@ def run_step(inputs, saved, plan, threshold, config, pattern=None, measure=True)
         paused = time.perf_counter()
         nbytes = sum(c.nbytes for c in ctxs)
         dense = sum(c.dense_nbytes for c in ctxs)
-        densities = _densities(ctxs[0]) if saved == "fp32" else None
         start += time.perf_counter() - paused
         del x, ctx
         for buffer in grads:
@@ -168,7 +160,7 @@ def run_step(inputs, saved, plan, threshold, config, pattern=None, measure=True)
         seconds = time.perf_counter() - start
     return dict(grads=(g, *grads), nbytes=nbytes, dense=dense,
                 peak=prof.peak_bytes if measure else None,
-                seconds=seconds, densities=densities)
+                seconds=seconds)
 
 
 def _warm_up(plan, config):
@@ -182,69 +174,6 @@ def _warm_up(plan, config):
                    for s in ((B, T, D), (H, D, N), (H, D, N), (H * N, D), (B, T, D)))
     for policy in POLICIES:
         run_step(inputs, policy, plan, 0.5, config)
-
-
-def _densities(ctx):
-    def frac(saved_list):
-        return float(np.mean([np.count_nonzero(_host(s.unpack())) / np.prod(s.shape)
-                              for s in saved_list]))
-
-    return frac(ctx.x_neuron), frac(ctx.y_gate)
-
-
-def policy_table(config: Config, progress=print) -> tuple[list[dict], dict]:
-    """Run the step under every policy; returns (rows, run facts)."""
-    dims = shape(config)
-    B, T, D, H, N = (dims[k] for k in "BTDHN")
-    xp = _harness.xp(config)
-    rng = np.random.default_rng(0)
-    inputs = tuple(xp.asarray(a) for a in (
-        rng.standard_normal((B, T, D)).astype(np.float32),
-        (rng.standard_normal((H, D, N)) / np.sqrt(D)).astype(np.float32),
-        (rng.standard_normal((H, D, N)) / np.sqrt(D)).astype(np.float32),
-        (rng.standard_normal((H * N, D)) / np.sqrt(H * N)).astype(np.float32),
-        rng.standard_normal((B, T, D)).astype(np.float32)))
-    plan = _plan()
-    with _backend(config):
-        threshold = calibrate_threshold(inputs[0], inputs[1], plan)
-    progress("  lowrank_residual: warm-up (JIT compilation, kernel loading, one full step) ...")
-    _warm_up(plan, config)
-    run_step(inputs, "fp32", plan, threshold, config)
-    results = {}
-    for policy in POLICIES:
-        progress(f"  lowrank_residual/{policy}: {APPLICATIONS} applications forward + backward ...")
-        results[policy] = run_step(inputs, policy, plan, threshold, config)
-    fp = results["fp32"]
-    rows = []
-    for policy in POLICIES:
-        r = results[policy]
-        cos_w = [_cosine(a, b) for a, b in zip(fp["grads"][1:], r["grads"][1:])]
-        rows.append({
-            "policy": policy,
-            "saved MiB": r["nbytes"] / 2**20,
-            "bytes vs fp32": r["nbytes"] / fp["nbytes"],
-            "peak MiB": r["peak"] / 2**20,
-            "peak vs fp32": r["peak"] / fp["peak"] if fp["peak"] else None,
-            "min weight-grad cos": min(cos_w),
-            "dcurrent cos": _cosine(fp["grads"][0], r["grads"][0]),
-            "step ms": r["seconds"] * 1e3,
-        })
-    facts = {**dims, "applications": APPLICATIONS, "plan": "ternary weights, int8 activations",
-             "relu_threshold": threshold, "density x_neuron": fp["densities"][0],
-             "density y_gate": fp["densities"][1]}
-    return rows, facts
-
-
-def targets(rows: list[dict]) -> list[tuple[str, float, str, float, bool]]:
-    """(what, measured, relation, bound, met) for the issue's targets."""
-    by = {r["policy"]: r for r in rows}
-    sp, i2 = by["sparse"], by["int2"]
-    out = [("sparse saved bytes vs fp32", sp["bytes vs fp32"], "<=", SPARSE_BYTES_RATIO),
-           ("sparse min gradient cosine", sp["min weight-grad cos"], ">=", SPARSE_MIN_COSINE),
-           ("int2 saved bytes vs fp32", i2["bytes vs fp32"], "<=", INT2_BYTES_RATIO)]
-    if sp["peak vs fp32"] is not None:
-        out.append(("sparse peak memory vs fp32", sp["peak vs fp32"], "<=", SPARSE_PEAK_RATIO))
-    return [(w, m, rel, b, m <= b if rel == "<=" else m >= b) for w, m, rel, b in out]
 
 
 def cases(config: Config):
@@ -303,7 +232,7 @@ def cases(config: Config):
     yield from _pattern_cases(config, setup)
 
 
-#: Active fractions of the block-pattern rows (issue 19), blocks of PATTERN_BLOCK neurons spread
+#: Active fractions of the block-pattern rows, blocks of PATTERN_BLOCK neurons spread
 #: evenly over the latent axis; targets: the step time and saved bytes against dense.
 PATTERN_FRACTIONS = (1.0, 0.5, 0.25)
 PATTERN_BLOCK = 64

@@ -114,7 +114,7 @@ def cases(config: Config):
 
 
 def _linear_report(xp, backend):
-    """``memory_report`` of a ``linear_forward`` ctx with ``saved="int8"`` (issue 3's op)."""
+    """``memory_report`` of a ``linear_forward`` ctx with ``saved="int8"``."""
     if not hasattr(lowbit, "linear_forward"):
         print("(lowbit.linear_forward not available: no linear ctx report)")
         return

@@ -34,9 +34,9 @@ from lowbit.reference.selective_scan import selective_scan_bwd_ref, selective_sc
 
 from ._harness import Case, Config
 
-#: Speedup over the NumPy loop each numba case must reach (issue 6).
+#: Speedup over the NumPy loop each numba case must reach.
 TARGET = 10.0
-#: Speedup of the chunked gated delta kernels over the token-by-token ones (issue 18).
+#: Speedup of the chunked gated delta kernels over the token-by-token ones.
 CHUNKED_TARGET = 2.5
 
 
@@ -165,8 +165,9 @@ def _check_gdr(xp, backend):
     dout = rng.normal(size=inputs[2].shape).astype(np.float32)
     dstate = rng.normal(size=inputs[5].shape).astype(np.float32)
     with _forced(backend):
-        out, state, ctx = lowbit.gated_delta_scan_forward(*(xp.asarray(a) for a in inputs),
-                                                          chunk_size=4)
+        out, state, ctx = lowbit.gated_delta_scan_forward(
+            *(xp.asarray(a) for a in inputs[:5]), initial_state=xp.asarray(inputs[5]),
+            chunk_size=4)
         grads = lowbit.gated_delta_scan_backward(xp.asarray(dout), xp.asarray(dstate), ctx)
     ref_out, ref_state = gated_delta_scan_ref(*inputs)
     _close("out", ref_out, out, 1e-5)
@@ -182,8 +183,9 @@ def _check_ssm(xp, backend):
     dout = rng.normal(size=inputs[0].shape).astype(np.float32)
     dstate = rng.normal(size=inputs[7].shape).astype(np.float32)
     with _forced(backend):
-        out, state, ctx = lowbit.selective_scan_forward(*(xp.asarray(a) for a in inputs),
-                                                        chunk_size=4)
+        out, state, ctx = lowbit.selective_scan_forward(
+            *(xp.asarray(a) for a in inputs[:7]), initial_state=xp.asarray(inputs[7]),
+            chunk_size=4)
         grads = lowbit.selective_scan_backward(xp.asarray(dout), xp.asarray(dstate), ctx)
     ref_out, ref_state = selective_scan_ref(*inputs)
     _close("out", ref_out, out, 1e-5)
@@ -406,7 +408,7 @@ def cases(config: Config):
         dev = [xp.asarray(a) for a in inputs]
         dout_dev = xp.asarray(dout)
         with _forced(backend):
-            _, _, ctx = forward(*dev)
+            _, _, ctx = forward(*dev[:-1], initial_state=dev[-1])
         for direction in ("forward", "backward"):
             base = None
             if not config.gpu:
@@ -426,7 +428,7 @@ def cases(config: Config):
             if direction == "forward":
                 def fast(f=forward, a=dev):
                     with _forced(backend):
-                        f(*a)
+                        f(*a[:-1], initial_state=a[-1])
             else:
                 def fast(b=backward, d=dout_dev, c=ctx):
                     with _forced(backend):

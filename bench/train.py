@@ -1,13 +1,14 @@
 """The main job: train the BDH byte-level language model under fp32 and low-bit configurations.
 
-``python -m bench`` (no arguments) runs ``main_job``: the same model, from the same initial
-parameters on the same batches of the embedded corpus (CPython's ``pydoc_data.topics``), under
-``CONFIGS`` (fp32; ternary weights + int8 activations; the same with the ``sparse`` saved
-policy), then one table (losses, tokens/s, peak step memory, saved bytes, a sample), the targets
-and JSON under ``bench/results/``; ``--plot FILE.png`` draws the loss curves. ``python -m bench
-train`` runs the same, plus a plain torch model of the same shape when torch is installed;
-``--long`` trains longer. ``cases`` gives the harness (and pytest-benchmark) one timed training
-step per configuration.
+``python -m bench`` (no suite named; ``bench/__main__.py``) runs the main job: the same model, from
+the same initial parameters on the same batches of the embedded corpus (CPython's
+``pydoc_data.topics``), under ``CONFIGS`` (fp32; ternary weights + int8 activations; the same with
+the ``sparse`` saved policy), then one table (losses, tokens/s, peak step memory, saved bytes, a
+sample), the targets and JSON under ``bench/results/``; ``--plot FILE.png`` draws the loss curves.
+``python -m bench train`` runs the same, plus a plain torch model of the same shape when torch is
+installed; ``--long`` trains longer. ``cases`` gives the harness (and pytest-benchmark) one timed
+training step per configuration. ``--gpu`` trains on cupy arrays, ``--backend NAME`` under
+``lowbit.use_backend(NAME)``.
 
 The model: ``lowbit/models/bdh.py``; the loop: ``lowbit/models/train.py``; the torch peer:
 ``bench/train_torch.py``.
@@ -15,12 +16,14 @@ The model: ``lowbit/models/bdh.py``; the loop: ``lowbit/models/train.py``; the t
 
 from __future__ import annotations
 
+import contextlib
 import textwrap
 import time
 
 import numpy as np
 
 import lowbit
+from lowbit import _backend
 from lowbit.models import bdh, train
 from lowbit.reference.bdh import bdh_bwd_ref, bdh_ref
 
@@ -34,8 +37,8 @@ CONFIGS = {
     "ternary+int8": (PLAN, None, "bitnet"),
     "ternary+int8+sparse": (PLAN, "sparse", "bitnet"),
 }
-#: The model and run of the main job: the shape of the issue's torch figure (D = 128, multiplier
-#: 16, H = 4, 3 levels, batch 8 x 128 bytes), sized for about a minute per configuration.
+#: The model and run of the main job (D = 128, multiplier 16, H = 4, 3 levels, batch 8 x 128
+#: bytes), sized for about a minute per configuration.
 MAIN = dict(n_layer=3, n_embd=128, n_head=4, mlp_internal_dim_multiplier=16, dropout=0.1,
             steps=200, batch=8, block=128, lr=3e-3, warmup=20, eval_every=25, eval_batches=8)
 #: ``--long``: the same model trained four times longer.
@@ -58,19 +61,24 @@ def model_config(run, plan=None, saved=None) -> bdh.BDHConfig:
                          dropout=run["dropout"], plan=plan or lowbit.LowBitPlan(), saved=saved)
 
 
-def check_small():
+def check_small(xp=np):
     """The model against its float64 reference on a tiny shape, forward and every gradient, in
-    full precision and with the low-bit plan (checked before anything is timed)."""
+    full precision and with the low-bit plan, on ``xp`` arrays (checked before anything is
+    timed). Each is the first (cold) call of its kernels: announced by ``first_call``."""
     rng = np.random.default_rng(7)
-    for plan in (lowbit.LowBitPlan(), PLAN):
+    for what, plan in (("bdh fp32 (embedding, layer_norm, lowrank_residual, linear, "
+                        "cross_entropy)", lowbit.LowBitPlan()),
+                       ("bdh ternary+int8 (quantize, packed_matmul)", PLAN)):
         config = bdh.BDHConfig(n_layer=2, n_embd=16, n_head=2, mlp_internal_dim_multiplier=4,
                                vocab_size=32, dropout=0.2, plan=plan)
         params = {k: v * 25 for k, v in bdh.init_params(config, 3).items()}
         ids = rng.integers(0, 32, size=(2, 6))
         targets = np.roll(ids, -1, axis=1)
         seeds = [bdh._level_seed(4, level) for level in range(config.n_layer)]
-        loss, ctx = bdh.forward(config, params, ids, targets, seed=4)
-        grads = bdh.backward(ctx)
+        with _harness.first_call(what):
+            loss, ctx = bdh.forward(config, {k: xp.asarray(v) for k, v in params.items()},
+                                    xp.asarray(ids), xp.asarray(targets), seed=4)
+            grads = {k: _host(v) for k, v in bdh.backward(ctx).items()}
         ref = bdh_bwd_ref(params, ids, targets, level_seeds=seeds, plan=plan, dropout=0.2)
         want = bdh_ref(params, ids, targets, level_seeds=seeds, plan=plan, dropout=0.2)
         if not abs(float(loss) - want) <= 1e-4 * abs(want):
@@ -81,15 +89,20 @@ def check_small():
                 raise AssertionError(f"bdh d{name}: relative error {err:.2e} vs reference")
 
 
+def _host(x):
+    return x if isinstance(x, np.ndarray) else x.get()
+
+
 def step_memory(config, params, batches):
     """Peak bytes allocated during one training step (forward, backward, AdamW step), by
-    ``lowbit.profile`` (tracemalloc: every array allocated in the step and alive at the peak;
-    the parameters and optimizer moments held before the step are excluded), and the bytes the
-    step's ctx saved."""
-    ids, targets = batches.sample("train", np.random.default_rng(99))
+    ``lowbit.profile`` (on the CPU tracemalloc: every array allocated in the step and alive at
+    the peak; on a GPU CuPy's memory pool; the parameters and optimizer moments held before the
+    step are excluded), and the bytes the step's ctx saved."""
+    xp = _backend.array_module(params["embed"])
+    ids, targets = (xp.asarray(a) for a in batches.sample("train", np.random.default_rng(99)))
     opt = lowbit.AdamW()
     work = {k: v.copy() for k, v in params.items()}
-    opt.step(work, {k: np.zeros_like(v) for k, v in work.items()})  # moments allocated
+    opt.step(work, {k: xp.zeros_like(v) for k, v in work.items()})  # moments allocated
     with lowbit.profile() as prof:
         loss, ctx = bdh.forward(config, work, ids, targets, seed=1)
         saved = ctx.nbytes
@@ -100,11 +113,11 @@ def step_memory(config, params, batches):
     return prof.peak_bytes, saved
 
 
-def run_config(name, run, corpus, progress=None):
-    """Train one configuration; returns its table row and loss curves."""
+def run_config(name, run, corpus, progress=None, xp=np):
+    """Train one configuration on ``xp`` arrays; returns its table row and loss curves."""
     plan, saved, kind = CONFIGS[name]
     config = model_config(run, plan, saved)
-    params = bdh.init_params(config, PARAM_SEED)
+    params = bdh.init_params(config, PARAM_SEED, xp=xp)
     batches = train.Batches(corpus, block=run["block"], batch=run["batch"], seed=DATA_SEED)
     schedule = train.Schedule(kind, lr=run["lr"], weight_decay=0.1, warmup=run["warmup"],
                               steps=run["steps"])
@@ -126,7 +139,7 @@ def run_config(name, run, corpus, progress=None):
 
 
 def targets(rows, entropy):
-    """``(what, measured, relation, bound, met)`` of the issue's four targets."""
+    """``(what, measured, relation, bound, met)`` of the main job's targets."""
     by = {r["case"]: r for r in rows}
     fp, low, sparse = by["fp32"], by["ternary+int8"], by["ternary+int8+sparse"]
     out = [("fp32 validation loss below the unigram entropy by", entropy - fp["val loss"], ">=",
@@ -141,11 +154,12 @@ def targets(rows, entropy):
     return [(w, m, rel, b, m >= b if rel == ">=" else m <= b) for w, m, rel, b in out]
 
 
-def comparison(run, corpus, progress=print, names=tuple(CONFIGS)):
+def comparison(run, corpus, progress=print, names=tuple(CONFIGS), xp=np):
+    """Train every configuration of ``names`` on ``xp`` arrays: (table rows, loss curves)."""
     rows, curves = [], {}
     for name in names:
         progress(f"  training {name} ({run['steps']} steps) ...")
-        row, history = run_config(name, run, corpus, progress)
+        row, history = run_config(name, run, corpus, progress, xp=xp)
         rows.append(row)
         curves[name] = {"train": history["train"], "val": history["val"]}
     return rows, curves
@@ -188,14 +202,24 @@ def cases(config):
         opt = lowbit.AdamW()
 
         def step(cfg=cfg, params=params, opt=opt):
-            loss, ctx = bdh.forward(cfg, params, ids, targets)
-            opt.step(params, bdh.backward(ctx))
+            with forced_backend(config.backend):
+                loss, ctx = bdh.forward(cfg, params, ids, targets)
+                opt.step(params, bdh.backward(ctx))
             if config.gpu:
                 xp.cuda.Device().synchronize()
 
-        yield Case("train", f"step {name}", fn=step, check=check_small,
+        def check():
+            with forced_backend(config.backend):
+                check_small(xp)
+
+        yield Case("train", f"step {name}", fn=step, check=check,
                    baseline=None if name == "fp32" else "step fp32",
                    info={"tokens/step": tokens, "shape": describe(run).split(",")[0]})
+
+
+def forced_backend(name):
+    """``lowbit.use_backend(name)``, or nothing when ``name`` is None."""
+    return lowbit.use_backend(name) if name else contextlib.nullcontext()
 
 
 def describe(run) -> str:

@@ -59,7 +59,8 @@ __device__ __forceinline__ double log_of(double x) { return log(x); }
 __device__ __forceinline__ float log1p_of(float x) { return log1pf(x); }
 __device__ __forceinline__ double log1p_of(double x) { return log1p(x); }
 
-// Round half to even (DESIGN.md: integer codes agree bitwise with np.rint on every backend).
+// Round half to even (docs/architecture.rst): integer codes agree bitwise with np.rint on every
+// backend.
 __device__ __forceinline__ float round_even(float v) { return rintf(v); }
 __device__ __forceinline__ double round_even(double v) { return rint(v); }
 
@@ -138,7 +139,7 @@ __device__ __forceinline__ void column_sums_to(T (&x)[R], int group, T* dst) {
     }
 }
 
-// Bit packing, LSB-first (DESIGN.md): code j of a byte holds bits [j * BITS, (j + 1) * BITS).
+// Bit packing, LSB-first (docs/ops.rst): code j of a byte holds bits [j * BITS, (j + 1) * BITS).
 constexpr int kBitsPerByte = 8;
 template <int BITS>
 constexpr int kCodesPerByte = kBitsPerByte / BITS;

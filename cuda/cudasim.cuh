@@ -13,7 +13,7 @@
 // checks), cudasim_launch.cuh (runtime: worker pool, barrier entry points, the launcher
 // lowbit_sim_launch) and cudasim_device.cuh (the Device API kernels call).
 //
-// Execution model (see DESIGN.md, "cudasim"):
+// Execution model (see docs/architecture.rst, "Checks on the kernels"):
 //   * one OS thread per CUDA thread, from a per-library pool of worker threads with a fixed
 //     stack of kThreadStackBytes; the blocks of a grid run one after another;
 //   * threadIdx is thread_local; blockIdx, blockDim and gridDim are globals, set before the

@@ -3,8 +3,8 @@
 // Launchers: lowbit/ops/packed_matmul/_cuda.py; reference: reference/packed_matmul.py; tests:
 // tests/test_packed_matmul.py; benchmark: bench/matmul.py. The GEMM is packed_matmul_gemm.cuh.
 //
-// Weights are output-major and packed along K, LSB-first (DESIGN.md): row n of `data` holds the
-// codes of column n of W. Stored codes: ternary code + 1 in 2 bits, sign 1 bit (1 means +1),
+// Weights are output-major and packed along K, LSB-first (docs/ops.rst): row n of `data` holds
+// the codes of column n of W. Stored codes: ternary code + 1 in 2 bits, sign 1 bit (1 means +1),
 // int8 one signed byte.
 #include "common.cuh"
 

@@ -11,24 +11,65 @@ import ctypes
 import functools
 import importlib.util
 import os
+import threading
+import warnings
+from types import ModuleType
+from typing import Any, Callable, Iterator
 
 import numpy as np
+from numpy.typing import DTypeLike
+
+
+class BackendImportWarning(RuntimeWarning):
+    """An optional backend package (numba, cupy) is installed but failed to import.
+
+    Issued once per package and process, naming the real exception; lowbit then runs without
+    that backend (numba: the numpy backend; cupy: no cuda backend), and
+    ``lowbit.backend_status()`` gives the same reason.
+    """
 
 
 @functools.lru_cache(maxsize=None)
-def cupy_module():
-    """Return the cupy module, or None when it is not installed or unusable."""
-    if importlib.util.find_spec("cupy") is None:
-        return None
+def _import_optional(name: str) -> tuple[ModuleType | None, str | None]:
+    """``(module, None)``, or ``(None, why not)`` when ``name`` is missing or fails to import.
+
+    "Missing" is only a ``ModuleNotFoundError`` for ``name`` itself. Any other failure (a NumPy
+    ABI mismatch, a missing CUDA library, a broken dependency) is an installed but unusable
+    package: a ``BackendImportWarning`` says so once, and the reason carries the exception.
+    A broken install must not break ``import lowbit``, hence the broad ``except``.
+    """
     try:
-        import cupy
-    except Exception:  # a broken CUDA install must not break `import lowbit`
-        return None
-    return cupy
+        if importlib.util.find_spec(name) is None:
+            return None, f"{name} is not installed"
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name == name:
+            return None, f"{name} is not installed"
+        error: BaseException = exc
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        error = exc
+    else:
+        return module, None
+    reason = (f"{name} is installed but failed to import "
+              f"({type(error).__name__}: {error})")
+    warnings.warn(f"lowbit: {reason}; running without the {name} backend",
+                  BackendImportWarning, stacklevel=2)
+    return None, reason
+
+
+def cupy_module() -> Any:
+    """Return the cupy module, or None when it is not installed or unusable."""
+    return _import_optional("cupy")[0]
+
+
+def cupy_unavailable_reason() -> str | None:
+    """None when cupy imports, else why not (not installed, or the import's exception)."""
+    return _import_optional("cupy")[1]
 
 
 @functools.lru_cache(maxsize=None)
 def cuda_device_count() -> int:
+    """The number of CUDA devices cupy sees (0 without cupy or a driver)."""
     cp = cupy_module()
     if cp is None:
         return 0
@@ -38,29 +79,29 @@ def cuda_device_count() -> int:
         return 0
 
 
-@functools.lru_cache(maxsize=None)
 def numba_available() -> bool:
-    if importlib.util.find_spec("numba") is None:
-        return False
-    try:
-        import numba  # noqa: F401
-    except Exception:
-        return False
-    return True
+    """Whether numba imports (a broken install warns once; see ``BackendImportWarning``)."""
+    return _import_optional("numba")[0] is not None
 
 
-def is_cupy_array(x) -> bool:
+def numba_unavailable_reason() -> str | None:
+    """None when numba imports, else why not (not installed, or the import's exception)."""
+    return _import_optional("numba")[1]
+
+
+def is_cupy_array(x: object) -> bool:
+    """Whether ``x`` is a cupy array (False without cupy)."""
     cp = cupy_module()
     return cp is not None and isinstance(x, cp.ndarray)
 
 
-def array_kind(*arrays) -> str | None:
+def array_kind(*arrays: object) -> str | None:
     """Return "numpy", "cupy" or None (no arrays) for the given inputs.
 
     Raises:
         TypeError: numpy and cupy arrays are mixed (data is never moved implicitly).
     """
-    kinds = set()
+    kinds: set[str] = set()
     for a in arrays:
         if a is None:
             continue
@@ -76,7 +117,7 @@ def array_kind(*arrays) -> str | None:
     return kinds.pop() if kinds else None
 
 
-def array_module(*arrays):
+def array_module(*arrays: object) -> Any:
     """numpy or cupy, following the kind of the given arrays (numpy when none)."""
     return cupy_module() if array_kind(*arrays) == "cupy" else np
 
@@ -93,7 +134,7 @@ def set_poison_outputs(flag: bool) -> bool:
     return previous
 
 
-def empty(shape, dtype, xp=np):
+def empty(shape: int | tuple[int, ...], dtype: DTypeLike, xp: Any = np) -> Any:
     """Allocate an output array on ``xp`` (numpy or cupy); every backend allocates through here."""
     out = xp.empty(shape, dtype=dtype)
     if _poison_outputs and out.size:
@@ -137,9 +178,9 @@ def numba_cache_guard(package_file: str, *owners: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _blas_thread_controls():
+def _blas_thread_controls() -> tuple[tuple[Callable[[], int], Callable[[int], None]], ...]:
     """(get, set) ctypes pairs of every OpenBLAS loaded in this process (Linux; else none)."""
-    controls = []
+    controls: list[tuple[Callable[[], int], Callable[[int], None]]] = []
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
@@ -165,7 +206,7 @@ def _blas_thread_controls():
     return tuple(controls)
 
 
-def read_only(*arrays):
+def read_only(*arrays: np.ndarray) -> Any:
     """Read-only views of host arrays, for the Numba kernels that only read them.
 
     Numba compiles one specialization per argument type, and types a read-only array apart from
@@ -174,7 +215,7 @@ def read_only(*arrays):
     kernels read-only views of their inputs, always, keeps one specialization; Numba then also
     refuses to compile a kernel that writes one. Returns one view, or a list for several.
     """
-    views = []
+    views: list[np.ndarray] = []
     for a in arrays:
         view = a.view()
         view.flags.writeable = False
@@ -182,8 +223,16 @@ def read_only(*arrays):
     return views[0] if len(views) == 1 else views
 
 
+#: Guards the nesting count and OpenBLAS's saved thread counts of ``single_threaded_blas``.
+_blas_lock = threading.Lock()
+#: Blocks of ``single_threaded_blas`` open now, in every thread.
+_blas_depth = 0
+#: The thread counts the first entrant found (restored by the last one to leave).
+_blas_saved: list[int] = []
+
+
 @contextlib.contextmanager
-def single_threaded_blas(active: bool = True):
+def single_threaded_blas(active: bool = True) -> Iterator[None]:
     """Run OpenBLAS (NumPy's and SciPy's, the one ``np.dot`` calls from Numba) on one thread
     inside the block, process-wide, and restore the previous counts after it.
 
@@ -191,7 +240,12 @@ def single_threaded_blas(active: bool = True):
     between them: OpenBLAS's worker threads keep spinning after a call and take the cores from
     Numba's (measured on 2 cores: a BDH training step 1.32 s with two BLAS threads, 0.17 s with
     one). ``active=False`` makes it a no-op (for callers on other backends).
+
+    Thread-safe and reentrant: the setting is process-wide, so the blocks open in every thread
+    share it through a nesting count under a lock. The first block to enter saves the counts and
+    sets one thread; the last to leave restores them, whatever order the threads leave in.
     """
+    global _blas_depth
     if not active:
         yield
         return
@@ -199,14 +253,21 @@ def single_threaded_blas(active: bool = True):
     import scipy.linalg.cython_blas  # noqa: F401
 
     controls = _blas_thread_controls()
-    previous = [getter() for getter, _ in controls]
-    for _, setter in controls:
-        setter(1)
+    with _blas_lock:
+        if _blas_depth == 0:
+            _blas_saved[:] = [getter() for getter, _ in controls]
+            for _, setter in controls:
+                setter(1)
+        _blas_depth += 1
     try:
         yield
     finally:
-        for (_, setter), count in zip(controls, previous):
-            setter(count)
+        with _blas_lock:
+            _blas_depth -= 1
+            if _blas_depth == 0:
+                for (_, setter), count in zip(controls, _blas_saved):
+                    setter(count)
+                _blas_saved.clear()
 
 
 #: Caches that grow with the shapes seen, as (module, attribute): per-thread scratch buffers
@@ -231,7 +292,9 @@ def clear_caches() -> None:
 
     for module_name, attribute in _SHAPE_CACHES:
         cache = getattr(sys.modules.get(module_name), attribute, None)
+        if cache is None:
+            continue
         if hasattr(cache, "cache_clear"):
             cache.cache_clear()
-        elif cache is not None:
+        else:
             vars(cache).clear()

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
+from typing import Any
+
+from ._typing import Array
 
 
 class Saved:
@@ -31,7 +35,7 @@ class Saved:
         """Bytes of the same tensor held densely in float32."""
         return 4 * math.prod(self.shape)
 
-    def unpack(self):  # pragma: no cover - interface
+    def unpack(self) -> Array:  # pragma: no cover - interface
         raise NotImplementedError
 
 
@@ -40,7 +44,7 @@ class Exact(Saved):
 
     format = "exact"
 
-    def __init__(self, array):
+    def __init__(self, array: Array) -> None:
         self.array = array
         self.shape = tuple(array.shape)
 
@@ -48,7 +52,7 @@ class Exact(Saved):
     def nbytes(self) -> int:
         return int(self.array.itemsize * self.array.size)
 
-    def unpack(self):
+    def unpack(self) -> Array:
         return self.array
 
 
@@ -77,7 +81,7 @@ class MemoryRow:
     dense_nbytes: int
 
 
-def _walk(obj, prefix):
+def _walk(obj: Any, prefix: str) -> Iterator[MemoryRow]:
     if isinstance(obj, Saved):
         yield MemoryRow(prefix, tuple(obj.shape), obj.format, obj.nbytes, obj.dense_nbytes)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -114,7 +118,7 @@ class MemoryReport:
         return "\n".join([fmt(header), rule] + [fmt(r) for r in lines])
 
 
-def memory_report(ctx) -> MemoryReport:
+def memory_report(ctx: Any) -> MemoryReport:
     """Every saved tensor of ``ctx`` (nested ctxs included): name, shape, format, bytes."""
     rows = tuple(_walk(ctx, type(ctx).__name__))
     return MemoryReport(rows, sum(r.nbytes for r in rows), sum(r.dense_nbytes for r in rows))

@@ -16,6 +16,8 @@ import contextlib
 import contextvars
 import importlib
 import os
+from types import ModuleType
+from typing import Iterator
 
 from . import _backend
 
@@ -49,21 +51,40 @@ def backend_unavailable_reason(name: str) -> str | None:
     if name == "numba":
         if _backend.numba_available():
             return None
-        return f"numba is not installed: {_HOW_TO_GET[name]}"
+        missing = _backend.numba_unavailable_reason() or "numba is not installed"
+        return f"{missing}: {_HOW_TO_GET[name]}"
     if name == "cudasim":
         from . import _cudasim
 
         return None if _cudasim.available() else _cudasim.unavailable_reason()
     if _backend.cupy_module() is None:
-        return f"cupy is not installed: {_HOW_TO_GET[name]}"
+        missing = _backend.cupy_unavailable_reason() or "cupy is not installed"
+        return f"{missing}: {_HOW_TO_GET[name]}"
     if _backend.cuda_device_count() == 0:
         return f"cupy found no CUDA device: {_HOW_TO_GET[name]}"
     return None
 
 
 def available_backends() -> list[str]:
-    """The backends that can run on this machine, in dispatch order."""
+    """The backends that can run on this machine, in dispatch order (see ``backend_status``
+    for why the others cannot)."""
     return [b for b in BACKENDS if backend_unavailable_reason(b) is None]
+
+
+def backend_status() -> dict[str, str | None]:
+    """Every backend, in dispatch order, mapped to None (it can run here) or the reason it
+    cannot and how to get it.
+
+    A package that is installed but fails to import (a NumPy ABI mismatch, a missing CUDA
+    library) is reported with its exception, e.g. ``{"numpy": None, "numba": "numba is
+    installed but failed to import (ImportError: ...): install numba ...", ...}``; the first
+    such failure also issues a ``lowbit.BackendImportWarning``.
+
+    Example:
+        >>> for name, reason in lowbit.backend_status().items():
+        ...     print(f"{name:8} {reason or 'available'}")
+    """
+    return {b: backend_unavailable_reason(b) for b in BACKENDS}
 
 
 def forced_backend() -> str | None:
@@ -79,7 +100,7 @@ def forced_backend() -> str | None:
 
 
 @contextlib.contextmanager
-def use_backend(name: str):
+def use_backend(name: str) -> Iterator[str]:
     """Force a backend inside a ``with`` block (a ContextVar: thread- and task-local).
 
     Example:
@@ -93,7 +114,7 @@ def use_backend(name: str):
         _forced.reset(token)
 
 
-def select_backend(*arrays) -> str:
+def select_backend(*arrays: object) -> str:
     """The backend that runs for these arrays (forced, or chosen by array kind)."""
     kind = _backend.array_kind(*arrays) or "numpy"
     name = forced_backend()
@@ -114,7 +135,7 @@ def select_backend(*arrays) -> str:
     return name
 
 
-def resolve(op: str, *arrays):
+def resolve(op: str, *arrays: object) -> tuple[str, ModuleType]:
     """Return ``(backend_name, module)`` implementing ``op`` for these arrays."""
     name = select_backend(*arrays)
     module = importlib.import_module(f"lowbit.ops.{op}.{_MODULE_OF_BACKEND[name]}")

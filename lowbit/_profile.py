@@ -29,6 +29,7 @@ import contextvars
 import dataclasses
 import time
 import tracemalloc
+from typing import Any, Iterator
 
 from . import _backend
 
@@ -51,14 +52,14 @@ class StageRecord:
 class Profile:
     """Records of every stage entered while the profile is active; ``str()`` is a table."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._records: dict[tuple[str, str], StageRecord] = {}
         self.peak_bytes = 0
         self.device = "cpu"
         #: Whether ``profile()`` started tracemalloc (and so may stop it).
         self.started_tracing = False
         #: GPU stages whose events are not read yet: (record, start event, end event).
-        self._pending: list = []
+        self._pending: list[tuple[StageRecord, Any, Any]] = []
 
     @property
     def records(self) -> dict[tuple[str, str], StageRecord]:
@@ -91,11 +92,11 @@ class Profile:
         tracemalloc.reset_peak()
         return peak
 
-    def add(self, phase: str, stage: str, seconds, gpu: bool) -> None:
+    def add(self, phase: str, stage: str, seconds: float | tuple[Any, Any], gpu: bool) -> None:
         """Record one call: ``seconds`` a float, or on GPU the (start, end) CUDA events."""
         record = self._records.setdefault((phase, stage), StageRecord(phase, stage))
         record.calls += 1
-        if gpu:
+        if isinstance(seconds, tuple):
             self._pending.append((record, *seconds))
         else:
             record.seconds += seconds
@@ -121,7 +122,7 @@ class Profile:
 
 
 @contextlib.contextmanager
-def profile():
+def profile() -> Iterator[Profile]:
     """Record per-stage time and bytes held for every lowbit layer call inside the block.
 
     Example:
@@ -147,7 +148,7 @@ def profile():
 
 
 @contextlib.contextmanager
-def stage(phase: str, name: str, like=None):
+def stage(phase: str, name: str, like: object = None) -> Iterator[None]:
     """Time the enclosed code as stage ``name`` of ``phase`` when a profile is active.
 
     Args:

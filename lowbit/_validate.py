@@ -9,18 +9,20 @@ from __future__ import annotations
 import numbers
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from . import _backend, _kernels
+from ._typing import Array
 
 
-def as_array(x, name: str):
+def as_array(x: object, name: str) -> Array:
     """Return ``x`` if it is a numpy or cupy array, else raise TypeError naming ``name``."""
     if isinstance(x, np.ndarray) or _backend.is_cupy_array(x):
         return x
     raise TypeError(f"{name} must be a numpy or cupy array, got {type(x).__name__}")
 
 
-def integer(value, name: str, *, minimum: int | None = None) -> int:
+def integer(value: object, name: str, *, minimum: int | None = None) -> int:
     """A Python/NumPy integer (not bool), optionally >= minimum."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer, got {value!r}")
@@ -30,7 +32,7 @@ def integer(value, name: str, *, minimum: int | None = None) -> int:
     return value
 
 
-def axis(value, ndim: int, name: str = "axis") -> int:
+def axis(value: object, ndim: int, name: str = "axis") -> int:
     """Normalize an axis index for an array of rank ``ndim``."""
     value = integer(value, name)
     if not -ndim <= value < ndim:
@@ -38,7 +40,8 @@ def axis(value, ndim: int, name: str = "axis") -> int:
     return value % ndim
 
 
-def finite_scalar(value, name: str) -> float:
+def finite_scalar(value: object, name: str) -> float:
+    """A Python/NumPy real number (not bool) that is finite, as a float."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {value!r}")
     value = float(value)
@@ -47,14 +50,23 @@ def finite_scalar(value, name: str) -> float:
     return value
 
 
-def floating(x, name: str):
+def floating(x: Array, name: str) -> Array:
     """Require a float32 or float64 array."""
     if x.dtype not in (np.float32, np.float64):
         raise TypeError(f"{name} must be float32 or float64, got {x.dtype}")
     return x
 
 
-def all_finite(x, name: str):
+def grad_dtype(x: Array, dtype: DTypeLike, name: str) -> Array:
+    """A backward's incoming gradient must have the dtype of the forward output it pairs with
+    (NumPy's rule: results follow the inputs' dtype, nothing is cast silently)."""
+    if x.dtype != dtype:
+        raise TypeError(f"{name} must have the forward output's dtype {np.dtype(dtype)}, got "
+                        f"{x.dtype}")
+    return x
+
+
+def all_finite(x: Array, name: str) -> Array:
     """Require every element of ``x`` finite: a full pass and one read from the device, so hot
     paths check inside the kernels that read the data instead (a status word)."""
     xp = _backend.array_module(x)
@@ -69,14 +81,14 @@ def shape_error(name: str, expected: tuple, got: tuple, what: str = "") -> Value
     return ValueError(f"{name} must have {whose}shape {tuple(expected)}, got {tuple(got)}")
 
 
-def shape(x, expected: tuple, name: str, what: str = ""):
+def shape(x: Array, expected: tuple, name: str, what: str = "") -> Array:
     """Require ``x.shape == expected``; ``what`` says whose shape it is ("the forward output's")."""
     if tuple(x.shape) != tuple(expected):
         raise shape_error(name, expected, x.shape, what)
     return x
 
 
-def offsets(lengths, tokens: int, name: str = "lengths") -> np.ndarray:
+def offsets(lengths: object, tokens: int, name: str = "lengths") -> np.ndarray:
     """Validate segment lengths and return the int64 prefix table ``[0, l0, l0 + l1, ..., T]``.
 
     ``lengths`` is a non-empty 1-D host sequence or numpy array of positive integers (not bools)

@@ -1,8 +1,8 @@
 """Reference low-bit quantization: explicit loops, float64 statistics, obviously right.
 
 Checked against: lowbit/ops/quantize/ (every backend), tests/test_quantize.py. Formats as in
-issue 3 and DESIGN.md: a scale is the dequantization step (value = code x scale), rounding is
-half to even, quotients are formed in the input's dtype.
+docs/architecture.rst ("Numbers every op shares"): a scale is the dequantization step
+(value = code x scale), rounding is half to even, quotients are formed in the input's dtype.
 """
 
 import math

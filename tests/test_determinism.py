@@ -1,8 +1,9 @@
 """Determinism: bitwise-identical outputs and gradients run to run, and across Numba thread
 counts 1 and 2, for every public op (``tests/properties/catalogue.py``'s calls).
 
-DESIGN.md promises bitwise results run to run on one backend; the thread-count check holds the
-numba kernels to results that do not depend on how their parallel loops are split. Shapes at
+The op contract (docs/ops.rst) promises bitwise results run to run on one backend; the
+thread-count check holds the numba kernels to results that do not depend on how their parallel
+loops are split. Shapes at
 ``scale`` 8 give the numba kernels several parallel chunks.
 """
 

@@ -63,7 +63,7 @@ def test_attention_scores_of_1e4(cpu, dtype, causal):
     v = np.arange(T, dtype=dtype).reshape(T, 1, 1)
     dout = np.ones((T, 1, 1), dtype)
     lengths = [1, 3, 2]  # a one-token segment among them
-    out, ctx = lowbit.segmented_attention_forward(q, k, v, lengths, 1.0, causal)
+    out, ctx = lowbit.segmented_attention_forward(q, k, v, lengths, scale=1.0, causal=causal)
     grads = lowbit.segmented_attention_backward(dout, ctx)
     ref_out, ref_lse = segmented_attention_ref(q, k, v, lengths, 1.0, causal)
     ref_grads = segmented_attention_bwd_ref(dout, q, k, v, lengths, 1.0, causal)
@@ -83,7 +83,8 @@ def test_gated_delta_scan_decay_exactly_0_and_1(cpu, log_decay):
     decay = np.full((1, 5, 1), log_decay)
     beta = np.ones((1, 5, 1))
     s0 = rng.normal(size=(1, 1, 3, 2))
-    out, state, ctx = lowbit.gated_delta_scan_forward(q, k, v, decay, beta, s0, chunk_size=2)
+    out, state, ctx = lowbit.gated_delta_scan_forward(q, k, v, decay, beta, initial_state=s0,
+                                                        chunk_size=2)
     grads = lowbit.gated_delta_scan_backward(dout, None, ctx)
     finite = -800.0 if log_decay == -np.inf else log_decay  # exp gives exactly 0 either way
     ref_out, ref_state = gated_delta_scan_ref(q, k, v, np.full_like(decay, finite), beta, s0)
@@ -109,7 +110,7 @@ def test_selective_scan_decay_exactly_0_and_1(cpu, mode):
     A_log = np.array([0.0 if mode == "one" else 8.0])
     D, dt_bias = np.array([0.5]), np.array([0.0])
     s0 = rng.normal(size=(1, 1, 2, 3))
-    out, state = lowbit.selective_scan(x, B, C, dt, dt_bias, A_log, D, s0)
+    out, state = lowbit.selective_scan(x, B, C, dt, dt_bias, A_log, D, initial_state=s0)
     ref_out, ref_state = selective_scan_ref(x, B, C, dt, dt_bias, A_log, D, s0)
     assert_close("out", ref_out, out, 1e-10)
     assert_close("state", ref_state, state, 1e-10)

@@ -39,7 +39,8 @@ def make_inputs(rng, nb, nt, nh, nk, nv, *, per_key=False, dtype=np.float64, ini
 
 def run_backend(backend, inputs, dout, dstate, chunk_size):
     dev = [backend.to(a) for a in inputs]
-    out, state, ctx = lowbit.gated_delta_scan_forward(*dev, chunk_size=chunk_size)
+    out, state, ctx = lowbit.gated_delta_scan_forward(*dev[:5], initial_state=dev[5],
+                                                      chunk_size=chunk_size)
     grads = lowbit.gated_delta_scan_backward(backend.to(dout), backend.to(dstate), ctx)
     return out, state, grads, ctx
 
@@ -113,8 +114,9 @@ def test_extreme_decay_and_beta(backend, rng, log_decay, beta, per_key):
 
 def test_inference_equals_training_forward(backend, rng):
     inputs = [backend.to(a) for a in make_inputs(rng, 2, 5, 2, 3, 4, dtype=np.float32)]
-    out, state = lowbit.gated_delta_scan(*inputs)
-    out2, state2, _ = lowbit.gated_delta_scan_forward(*inputs, chunk_size=2)
+    out, state = lowbit.gated_delta_scan(*inputs[:5], initial_state=inputs[5])
+    out2, state2, _ = lowbit.gated_delta_scan_forward(*inputs[:5], initial_state=inputs[5],
+                                                      chunk_size=2)
     assert_close("out", to_numpy(out2), out, 1e-6)
     assert_close("state", to_numpy(state2), state, 1e-6)
 
@@ -129,9 +131,9 @@ def test_continuation_forward_and_backward(backend, rng, dtype, rtol):
     first_in = [a[:, :cut] for a in (q, k, v, log_decay, beta)]
     second_in = [a[:, cut:] for a in (q, k, v, log_decay, beta)]
     out1, state1, ctx1 = lowbit.gated_delta_scan_forward(
-        *(backend.to(a) for a in first_in), backend.to(s0), chunk_size=4)
+        *(backend.to(a) for a in first_in), initial_state=backend.to(s0), chunk_size=4)
     out2, state2, ctx2 = lowbit.gated_delta_scan_forward(
-        *(backend.to(a) for a in second_in), state1, chunk_size=4)
+        *(backend.to(a) for a in second_in), initial_state=state1, chunk_size=4)
     assert_close("out", to_numpy(whole[0]), np.concatenate([to_numpy(out1), to_numpy(out2)], 1),
                  rtol)
     assert_close("state", to_numpy(whole[1]), state2, rtol)
@@ -146,7 +148,8 @@ def test_continuation_forward_and_backward(backend, rng, dtype, rtol):
 def test_ctx_saves_checkpoints_not_states(rng):
     nb, nt, nh, nk, nv, chunk = 2, 50, 3, 4, 5, 8
     inputs = make_inputs(rng, nb, nt, nh, nk, nv, dtype=np.float32)
-    _, _, ctx = lowbit.gated_delta_scan_forward(*inputs, chunk_size=chunk)
+    _, _, ctx = lowbit.gated_delta_scan_forward(*inputs[:5], initial_state=inputs[5],
+                                                chunk_size=chunk)
     checkpoint_bytes = nb * nh * math.ceil(nt / chunk) * nk * nv * 4
     assert ctx.checkpoints.nbytes == checkpoint_bytes
     input_bytes = sum(a.nbytes for a in inputs[:5])
@@ -162,7 +165,7 @@ def test_backward_peak_memory_at_4096_tokens(rng, name):
     inputs = make_inputs(rng, nb, nt, nh, nk, nv, dtype=np.float32)
     dout = rng.normal(size=(nb, nt, nh, nv)).astype(np.float32)
     with lowbit.use_backend(name):
-        _, _, ctx = lowbit.gated_delta_scan_forward(*inputs)
+        _, _, ctx = lowbit.gated_delta_scan_forward(*inputs[:5], initial_state=inputs[5])
         lowbit.gated_delta_scan_backward(dout, None, ctx)  # compile outside the measurement
         tracemalloc.start()
         try:
@@ -332,4 +335,5 @@ def test_kernels_refuse_k_past_the_register_layout(kernels, rng):
     nk = launcher.ROWS * launcher.MAX_GROUP + 1
     inputs = make_inputs(rng, 1, 2, 1, nk, 3, dtype=np.float32)
     with pytest.raises(ValueError, match="K=257"):
-        lowbit.gated_delta_scan(*(backend.to(a) for a in inputs))
+        lowbit.gated_delta_scan(*(backend.to(a) for a in inputs[:5]),
+                                initial_state=backend.to(inputs[5]))

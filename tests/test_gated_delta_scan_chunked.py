@@ -136,8 +136,9 @@ def test_numpy_chunked_inference_equals_training_bitwise(rng):
     # The blocks do not depend on chunk_size: checkpoints inside a block come from its algebra.
     inputs = make_inputs(rng, 1, 70, 2, 4, 3, dtype=np.float32)
     with lowbit.use_backend("numpy"):
-        out, state = lowbit.gated_delta_scan(*inputs)
-        out2, state2, _ = lowbit.gated_delta_scan_forward(*inputs, chunk_size=5)
+        out, state = lowbit.gated_delta_scan(*inputs[:5], initial_state=inputs[5])
+        out2, state2, _ = lowbit.gated_delta_scan_forward(*inputs[:5], initial_state=inputs[5],
+                                                          chunk_size=5)
     np.testing.assert_array_equal(out, out2)
     np.testing.assert_array_equal(state, state2)
 

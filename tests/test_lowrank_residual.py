@@ -135,7 +135,7 @@ def test_layer_matches_reference(backend, rng, attention, lengths, threshold, dr
     current, encoder, encoder_v, decoder = _layer(rng, B, T, D, H, N)
     dnext = rng.standard_normal((B, T, D)).astype(np.float32)
     kwargs = dict(attention=attention, lengths=lengths, relu_threshold=threshold,
-                  dropout=dropout, seed=11)
+                  dropout=dropout, seed=11 if dropout else 0)  # a seed needs dropout
     keep = [a.copy() for a in (current, encoder, encoder_v, decoder, dnext)]
     args = [backend.to(a) for a in (current, encoder, encoder_v, decoder)]
     out, ctx = lowbit.lowrank_residual_forward(*args, **kwargs)
@@ -187,9 +187,10 @@ def test_dropout_indices_past_two_to_the_32(rng):
 
 
 def test_float64_input_is_computed_in_float32(rng):
+    """float64 in, float64 out (NumPy's dtype rule), with float32 accuracy."""
     current, encoder, encoder_v, decoder = _layer(rng, 1, 9, 4, 2, 6, np.float64)
     out = lowbit.lowrank_residual(current, encoder, encoder_v, decoder)
-    assert out.dtype == np.float32
+    assert out.dtype == np.float64
     assert_close("next", lowrank_residual_ref(current, encoder, encoder_v, decoder), out, 1e-5)
 
 

@@ -2,7 +2,7 @@
 keep between calls are bounded and released by ``lowbit.clear_caches()``.
 
 The calls are ``tests/properties/catalogue.py``'s (forward and backward of every op family).
-After a warm-up, up to ``CALLS`` rounds (the issue's 10,000 cut to fit the suite's time budget
+After a warm-up, up to ``CALLS`` rounds (a soak of 10,000 rounds cut to fit the suite's time budget
 on two cores: a round of all seven families costs ~1.5 ms on an idle machine but up to 200 ms on
 numba under heavy load, so the rounds also stop after ``TIME_BOX_S``, with at least
 ``MIN_CALLS`` done) must grow resident memory by less than ``RSS_BOUND`` and live Python

@@ -221,7 +221,7 @@ def test_gpu_load_compiles_with_lowbits_options_once_into_the_cache(tmp_path, mo
     assert again == (cubin, lowered) and len(fake.compiled_with) == 1
 
 
-# -- SASS facts (issue 15): the instructions each rebuilt kernel is built around -------------------
+# -- SASS facts: the instructions each rebuilt kernel is built around -------------------
 
 needs_sass = pytest.mark.skipif(not _nvrtc.sass_available(),
                                 reason="cuobjdump not found: pip install nvidia-cuda-cuobjdump "

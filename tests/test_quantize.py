@@ -4,6 +4,8 @@ Reference: ``reference/quantize.py``; kernels: ``cuda/quantize.cu``. Codes and s
 the reference exactly, ties at .5 and zeros included.
 """
 
+import warnings
+
 import numpy as np
 import pytest
 from helpers import assert_close, assert_equal, to_numpy
@@ -179,6 +181,52 @@ def test_non_finite_weight_raises(backend):
         w[2, 1] = bad
         with pytest.raises(ValueError, match="w"):
             lowbit.quantize_weight(backend.to(w), "ternary")
+
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+def test_non_finite_weight_raises_without_a_warning(backend, format, dtype, bad):
+    # The error is the only signal: no "invalid value encountered in cast/divide" before it.
+    w = np.ones((6, 5), dtype=dtype)
+    w[4, 2] = bad
+    for quantize in (lowbit.quantize_weight, lowbit.fake_quantize_weight):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(ValueError, match="w must be finite"):
+                quantize(backend.to(w), format)
+
+
+def test_overflowing_weight_mean_raises_without_a_warning(backend):
+    w = np.full((4, 3), np.finfo(np.float64).max)  # finite, but the sum of |w| overflows
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="finite scale"):
+            lowbit.quantize_weight(backend.to(w), "ternary")
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_weight_scale_past_float32_raises(backend, format):
+    # Finite in float64, and so is its scale, but the float32 the scale is stored in is not.
+    w = np.full((4, 3), 1e300)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="scale overflows float32"):
+            lowbit.quantize_weight(backend.to(w), format)
+    ok = lowbit.quantize_weight(backend.to(np.full((4, 3), 1e30)), format)  # in range: stored
+    assert bool(backend.xp.isfinite(ok.scale).all())
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+def test_non_finite_activation_raises_without_a_warning(backend, bad):
+    x = np.ones((3, 5), dtype=np.float32)
+    x[2, 0] = bad
+    for quantize in (lowbit.quantize_activation, lowbit.fake_quantize_activation):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(ValueError, match="x must be finite.*row 2"):
+                quantize(backend.to(x))
 
 
 def test_non_finite_activation_row_raises(backend):

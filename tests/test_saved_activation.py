@@ -47,7 +47,13 @@ def _pack(backend, x, fmt, **kw):
     return lowbit.pack_activation(backend.to(x), fmt, **kw)
 
 
+def _groups(fmt, group_size):
+    """``group_size=`` for the formats that group ("fp32" takes none)."""
+    return {} if fmt == "fp32" else dict(group_size=group_size)
+
+
 def _check_against_reference(backend, x, fmt, kind, group_size, rounding, seed=3):
+    seed = seed if rounding == "stochastic" else 0  # nearest rounding takes no seed
     packed = _pack(backend, x, fmt, kind=kind, group_size=group_size, rounding=rounding,
                    seed=seed)
     ref = pack_activation_ref(x, fmt, kind, group_size, rounding, seed)
@@ -103,7 +109,8 @@ def test_large_tensor_numba_matches_numpy(rng, fmt):
         packed = {}
         for name in ("numpy", "numba"):
             with lowbit.use_backend(name):
-                p = lowbit.pack_activation(x, fmt, kind=kind, rounding=rounding, seed=9)
+                p = lowbit.pack_activation(x, fmt, kind=kind, rounding=rounding,
+                                           seed=9 if rounding == "stochastic" else 0)
                 packed[name] = (p, p.unpack())
         for array in packed["numpy"][0].arrays:
             assert_equal(f"{fmt}/{kind}/{rounding} {array}",
@@ -146,7 +153,8 @@ def _element_scales(packed):
                          + [("sparse", "nonneg")])
 def test_error_contract(backend, rng, fmt, kind, rounding):
     x = _data(rng, (6, 300), kind)
-    packed = _pack(backend, x, fmt, kind=kind, group_size=64, rounding=rounding, seed=11)
+    packed = _pack(backend, x, fmt, kind=kind, group_size=64, rounding=rounding,
+                   seed=11 if rounding == "stochastic" else 0)
     out = to_numpy(packed.unpack()).astype(np.float64)
     scale = _element_scales(packed)
     err = np.abs(out - x)
@@ -225,7 +233,7 @@ def test_zero_and_constant_groups(backend, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_empty_and_scalar(backend, fmt, shape):
     x = np.full(shape, 1.5, np.float32)
-    packed = _pack(backend, x, fmt, kind="nonneg", group_size=4)
+    packed = _pack(backend, x, fmt, kind="nonneg", **_groups(fmt, 4))
     out = packed.unpack()
     assert out.shape == shape and out.dtype == np.float32
     assert packed.dense_nbytes == 4 * x.size
@@ -343,6 +351,9 @@ def test_memory_report_of_linear_forward(rng):
     (dict(format="int8", rounding="up"), ValueError, "rounding"),
     (dict(format="int8", seed=-1), ValueError, "seed"),
     (dict(format="int8", seed=1 << 64), ValueError, "seed"),
+    (dict(format="int8", seed=3), ValueError, "seed=3 has no effect"),
+    (dict(format="fp32", group_size=64), ValueError, "group_size=64 has no effect"),
+    (dict(format="fp32", rounding="stochastic"), ValueError, "rounding='stochastic' has no"),
 ])
 def test_bad_arguments(never_runs, rng, kwargs, error, names):
     x = np.abs(_values(rng, (2, 8)))
@@ -369,7 +380,7 @@ def test_non_finite_values(backend, fmt):
         x[2, 33] = bad
         keep = x.copy()
         with pytest.raises(ValueError, match="x must be finite"):
-            _pack(backend, x, fmt, kind="nonneg", group_size=16)
+            _pack(backend, x, fmt, kind="nonneg", **_groups(fmt, 16))
         assert_equal("input", keep, x)
 
 
@@ -378,7 +389,7 @@ def test_negative_values_with_nonneg(backend, fmt):
     x = np.ones((3, 40), np.float32)
     x[1, 17] = -0.5
     with pytest.raises(ValueError, match="x must be non-negative"):
-        _pack(backend, x, fmt, kind="nonneg", group_size=16)
+        _pack(backend, x, fmt, kind="nonneg", **_groups(fmt, 16))
 
 
 def test_saved_config_validation():
@@ -391,6 +402,10 @@ def test_saved_config_validation():
         lowbit.SavedConfig(rounding="down")
     with pytest.raises(TypeError, match="seed"):
         lowbit.SavedConfig(seed=1.5)
+    with pytest.raises(ValueError, match="seed=2 has no effect"):
+        lowbit.SavedConfig("int4", seed=2)
+    with pytest.raises(ValueError, match="group_size=8 has no effect"):
+        lowbit.SavedConfig("fp32", group_size=8)
 
 
 def test_sparse_policy_saves_signed_tensors_at_int8(rng):
@@ -408,7 +423,7 @@ def _forward_cases(rng):
     f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
     B, T, H, K, V, D, N = 1, 5, 2, 4, 3, 8, 6
     return {
-        "linear_forward": ((f32(3, 8), f32(8, 4), "ternary"), {}),
+        "linear_forward": ((f32(3, 8), f32(8, 4), "ternary", None), {}),
         "segmented_attention_forward": ((f32(T, H, K), f32(T, H, K), f32(T, H, V), [T]), {}),
         "gated_delta_scan_forward": (
             (f32(B, T, H, K), f32(B, T, H, K), f32(B, T, H, V), -np.abs(f32(B, T, H)),

@@ -34,7 +34,8 @@ def make_inputs(rng, nb, nt, nh, npp, nn, *, dtype=np.float64, init=True, dt=Non
 
 def run_backend(backend, inputs, dout, dstate, dt_floor, chunk_size):
     dev = [backend.to(a) for a in inputs]
-    out, state, ctx = lowbit.selective_scan_forward(*dev, dt_floor, chunk_size=chunk_size)
+    out, state, ctx = lowbit.selective_scan_forward(*dev[:7], initial_state=dev[7],
+                                                    dt_floor=dt_floor, chunk_size=chunk_size)
     grads = lowbit.selective_scan_backward(backend.to(dout), backend.to(dstate), ctx)
     return out, state, grads, ctx
 
@@ -123,8 +124,9 @@ def test_floor_everywhere_active_gives_no_step_gradient(backend, rng):
 
 def test_inference_equals_training_forward(backend, rng):
     inputs = [backend.to(a) for a in make_inputs(rng, 2, 5, 2, 3, 4, dtype=np.float32)]
-    out, state = lowbit.selective_scan(*inputs, dt_floor=0.3)
-    out2, state2, _ = lowbit.selective_scan_forward(*inputs, dt_floor=0.3, chunk_size=2)
+    out, state = lowbit.selective_scan(*inputs[:7], initial_state=inputs[7], dt_floor=0.3)
+    out2, state2, _ = lowbit.selective_scan_forward(*inputs[:7], initial_state=inputs[7],
+                                                    dt_floor=0.3, chunk_size=2)
     assert_close("out", to_numpy(out2), out, 1e-6)
     assert_close("state", to_numpy(state2), state, 1e-6)
 
@@ -140,9 +142,11 @@ def test_continuation_forward_and_backward(backend, rng, dtype, rtol):
     params = [backend.to(a) for a in (dt_bias, A_log, D)]
     first = [backend.to(a[:, :cut]) for a in (x, B, C, dt)]
     second = [backend.to(a[:, cut:]) for a in (x, B, C, dt)]
-    out1, state1, ctx1 = lowbit.selective_scan_forward(*first, *params, backend.to(s0),
+    out1, state1, ctx1 = lowbit.selective_scan_forward(*first, *params,
+                                                       initial_state=backend.to(s0),
                                                        chunk_size=4)
-    out2, state2, ctx2 = lowbit.selective_scan_forward(*second, *params, state1, chunk_size=4)
+    out2, state2, ctx2 = lowbit.selective_scan_forward(*second, *params, initial_state=state1,
+                                                       chunk_size=4)
     assert_close("out", to_numpy(whole[0]), np.concatenate([to_numpy(out1), to_numpy(out2)], 1),
                  rtol)
     assert_close("state", to_numpy(whole[1]), state2, rtol)
@@ -160,7 +164,8 @@ def test_continuation_forward_and_backward(backend, rng, dtype, rtol):
 def test_ctx_saves_checkpoints_not_states(rng):
     nb, nt, nh, npp, nn, chunk = 2, 50, 3, 4, 5, 8
     inputs = make_inputs(rng, nb, nt, nh, npp, nn, dtype=np.float32)
-    _, _, ctx = lowbit.selective_scan_forward(*inputs, chunk_size=chunk)
+    _, _, ctx = lowbit.selective_scan_forward(*inputs[:7], initial_state=inputs[7],
+                                              chunk_size=chunk)
     checkpoint_bytes = nb * nh * math.ceil(nt / chunk) * npp * nn * 4
     assert ctx.checkpoints.nbytes == checkpoint_bytes
     assert ctx.nbytes == sum(a.nbytes for a in inputs[:4]) + checkpoint_bytes
@@ -175,7 +180,7 @@ def test_backward_peak_memory_at_4096_tokens(rng, name):
     inputs = make_inputs(rng, nb, nt, nh, npp, nn, dtype=np.float32, init=False)
     dout = rng.normal(size=(nb, nt, nh, npp)).astype(np.float32)
     with lowbit.use_backend(name):
-        _, _, ctx = lowbit.selective_scan_forward(*inputs)
+        _, _, ctx = lowbit.selective_scan_forward(*inputs[:7], initial_state=inputs[7])
         lowbit.selective_scan_backward(dout, None, ctx)  # compile outside the measurement
         tracemalloc.start()
         try:
@@ -351,4 +356,5 @@ def test_kernels_refuse_n_past_the_register_layout(kernels, rng):
     nn = launcher.STATES * launcher.MAX_GROUP + 1
     inputs = make_inputs(rng, 1, 2, 1, 3, nn, dtype=np.float32)
     with pytest.raises(ValueError, match="N=257"):
-        lowbit.selective_scan(*(backend.to(a) for a in inputs))
+        lowbit.selective_scan(*(backend.to(a) for a in inputs[:7]),
+                              initial_state=backend.to(inputs[7]))

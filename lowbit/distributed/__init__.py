@@ -17,6 +17,7 @@ without it (mpi4py is imported when an ``MPICommunicator`` is made, cupy when NC
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from ._base import Communicator, RankFailedError, digest
 from ._mpi import MPICommunicator
@@ -26,10 +27,10 @@ from ._nccl import NCCLCommunicator
 #: hydra and Slurm's PMI, Open MPI, PMIx): without any of them there is no job to join.
 LAUNCHER_VARIABLES = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
 
-_world = None
+_world: Communicator | None = None
 
 
-def communicator(comm=None) -> Communicator:
+def communicator(comm: Any = None) -> Communicator:
     """The communicator of this process.
 
     Args:

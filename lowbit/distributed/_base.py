@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from typing import Any, ContextManager, Sequence, TypeVar
 
 import numpy as np
 
 from .. import _backend, _validate
+from .._typing import Array
+
+#: A list (or tuple) of arrays that a collective updates in place and returns.
+Arrays = TypeVar("Arrays", bound=Sequence[Any])
 
 
 class RankFailedError(RuntimeError):
     """Another rank of the job failed; raised by a collective that was waiting for it."""
 
 
-def _arrays(arrays, name="arrays"):
+def _arrays(arrays: object, name: str = "arrays") -> list[Array]:
     """The list of arrays of a collective: all numpy or all cupy, writable, non-empty list."""
     if not isinstance(arrays, (list, tuple)):
         raise TypeError(f"{name} must be a list of arrays, got {type(arrays).__name__}")
@@ -31,7 +36,7 @@ def _arrays(arrays, name="arrays"):
     return out
 
 
-def _float_dtype(arrays, name="arrays"):
+def _float_dtype(arrays: Sequence[Array], name: str = "arrays") -> np.dtype:
     """The one floating dtype of ``arrays`` (the bucket's): a mean needs one and only one."""
     dtypes = {a.dtype for a in arrays}
     if len(dtypes) > 1:
@@ -55,19 +60,20 @@ class Bucket:
     ``unpack`` copies the buffer back into them.
     """
 
-    def __init__(self):
-        self._buffer = None
+    def __init__(self) -> None:
+        self._buffer: Array | None = None
 
     @staticmethod
-    def _offsets(arrays, dtype):
-        offsets, at = [], 0
+    def _offsets(arrays: Sequence[Array], dtype: np.dtype) -> tuple[list[tuple[int, int]], int]:
+        offsets: list[tuple[int, int]] = []
+        at = 0
         for a in arrays:
             n = a.size * a.itemsize // dtype.itemsize
             offsets.append((at, n))
             at += -(-n // ALIGN) * ALIGN if dtype == np.uint8 else n
         return offsets, at
 
-    def pack(self, arrays, dtype):
+    def pack(self, arrays: Sequence[Array], dtype: Any) -> Array:
         """Copy ``arrays`` into the bucket; returns it (1-d, ``dtype``)."""
         dtype = np.dtype(dtype)
         xp = _backend.array_module(*arrays)
@@ -80,7 +86,7 @@ class Bucket:
             buf[at:at + n] = xp.ascontiguousarray(a).reshape(-1).view(dtype)
         return buf
 
-    def unpack(self, buf, arrays):
+    def unpack(self, buf: Array, arrays: Arrays) -> Arrays:
         """Copy the bucket back into ``arrays`` (in place); returns them."""
         offsets, _ = self._offsets(arrays, buf.dtype)
         for a, (at, n) in zip(arrays, offsets):
@@ -88,7 +94,7 @@ class Bucket:
         return arrays
 
 
-def digest(value) -> bytes:
+def digest(value: object) -> bytes:
     """SHA-256 of ``repr(value)``: what ranks compare to prove they run the same thing (frozen
     dataclasses, tuples of shapes and dtype names have a repr that is stable across processes)."""
     return hashlib.sha256(repr(value).encode()).digest()
@@ -99,10 +105,10 @@ class Communicator:
     ``allgather_object``, ``guard``. This base is the size-1 communicator: every collective
     checks its arguments and leaves the arrays as they are."""
 
-    rank = 0
-    size = 1
+    rank: int = 0
+    size: int = 1
 
-    def broadcast(self, arrays, root=0):
+    def broadcast(self, arrays: Arrays, root: int = 0) -> Arrays:
         """Copy rank ``root``'s arrays into every rank's arrays, in place, as one bucket of bytes.
 
         Args:
@@ -119,7 +125,7 @@ class Communicator:
             self._broadcast(checked, root)
         return arrays
 
-    def allreduce_mean(self, arrays):
+    def allreduce_mean(self, arrays: Arrays) -> Arrays:
         """Replace every array by its mean over the ranks, in place, as one bucket per call.
 
         Args:
@@ -136,7 +142,7 @@ class Communicator:
             self._allreduce_mean(checked)
         return arrays
 
-    def check_same(self, value, what: str = "value") -> None:
+    def check_same(self, value: object, what: str = "value") -> None:
         """Raise ``ValueError`` on every rank unless ``repr(value)`` is the same on every rank.
 
         Args:
@@ -146,33 +152,33 @@ class Communicator:
         mine = digest(value)
         everyone = self.allgather_object(mine)
         if any(d != mine for d in everyone):
-            groups = {}
+            groups: dict[str, list[int]] = {}
             for r, d in enumerate(everyone):
                 groups.setdefault(d.hex()[:12], []).append(r)
             seen = "; ".join(f"ranks {ranks}: digest {h}" for h, ranks in groups.items())
             raise ValueError(f"{what} differ across the {self.size} ranks ({seen}); rank "
                              f"{self.rank} has {value!r}")
 
-    def allgather_object(self, value) -> list:
+    def allgather_object(self, value: object) -> list[Any]:
         """Every rank's ``value`` (a picklable object), in rank order."""
         return [value]
 
-    def guard(self):
+    def guard(self) -> ContextManager[None]:
         """Context manager: an exception inside takes the whole job down, with a message on every
         rank, instead of leaving the other ranks waiting (size 1: exceptions pass as usual)."""
         return contextlib.nullcontext()
 
-    def _root(self, root):
+    def _root(self, root: object) -> int:
         root = _validate.integer(root, "root", minimum=0)
         if root >= self.size:
             raise ValueError(f"root must be a rank below size {self.size}, got {root}")
         return root
 
-    def _broadcast(self, arrays, root):
+    def _broadcast(self, arrays: list[Array], root: int) -> None:
         pass
 
-    def _allreduce_mean(self, arrays):
+    def _allreduce_mean(self, arrays: list[Array]) -> None:
         pass
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"

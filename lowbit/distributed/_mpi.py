@@ -18,10 +18,12 @@ import pickle
 import sys
 import time
 import traceback
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from .. import _backend
+from .._typing import Array
 from ._base import Bucket, Communicator, RankFailedError
 
 #: Shown when MPI is needed (a launcher started us, or an mpi4py communicator was asked for).
@@ -42,7 +44,7 @@ SPIN_POLLS = 200
 MAX_SLEEP_S = 1e-3
 
 
-def mpi():
+def mpi() -> Any:
     """The ``mpi4py.MPI`` module, or ImportError saying how to install it."""
     try:
         from mpi4py import MPI
@@ -59,7 +61,7 @@ class MPICommunicator(Communicator):
     (select each rank's device before that, e.g. ``cupy.cuda.Device(rank % n_gpus).use()``).
     """
 
-    def __init__(self, comm=None):
+    def __init__(self, comm: Any = None) -> None:
         MPI = self._MPI = mpi()
         self._world = MPI.COMM_WORLD if comm is None else comm
         # Collectives and notices on communicators of their own: a user's messages on the
@@ -68,8 +70,8 @@ class MPICommunicator(Communicator):
         self._alarm = self._world.Dup()
         self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
         self._bucket = Bucket()
-        self._nccl = None
-        self._heard = set()
+        self._nccl: Any = None
+        self._heard: set[int] = set()
         self._alarm_buf = np.zeros(ALARM_BYTES, np.uint8)
         self._alarm_status = MPI.Status()
         self._alarm_req = self._listen()
@@ -79,7 +81,7 @@ class MPICommunicator(Communicator):
 
     # -- the collectives -----------------------------------------------------------------------
 
-    def _broadcast(self, arrays, root):
+    def _broadcast(self, arrays: list[Array], root: int) -> None:
         buf = self._bucket.pack(arrays, np.uint8)
         if _backend.is_cupy_array(buf):
             self._gpu().broadcast(buf, root)
@@ -88,7 +90,7 @@ class MPICommunicator(Communicator):
         if self.rank != root:
             self._bucket.unpack(buf, arrays)
 
-    def _allreduce_mean(self, arrays):
+    def _allreduce_mean(self, arrays: list[Array]) -> None:
         buf = self._bucket.pack(arrays, arrays[0].dtype)
         if _backend.is_cupy_array(buf):
             self._gpu().allreduce_sum(buf)
@@ -97,7 +99,7 @@ class MPICommunicator(Communicator):
         buf /= self.size
         self._bucket.unpack(buf, arrays)
 
-    def allgather_object(self, value) -> list:
+    def allgather_object(self, value: object) -> list[Any]:
         data = np.frombuffer(pickle.dumps(value), np.uint8)
         counts = np.zeros(self.size, np.int64)
         self._wait(self._comm.Iallgather(np.array([data.size], np.int64), counts).Test)
@@ -107,7 +109,7 @@ class MPICommunicator(Communicator):
             data, [out, counts.tolist(), displs.tolist(), self._MPI.BYTE]).Test)
         return [pickle.loads(out[d:d + c].tobytes()) for d, c in zip(displs, counts)]
 
-    def _gpu(self):
+    def _gpu(self) -> Any:
         if self._nccl is None:
             from ._nccl import NCCLCommunicator
 
@@ -116,7 +118,7 @@ class MPICommunicator(Communicator):
 
     # -- waiting, failure notices, abort --------------------------------------------------------
 
-    def _wait(self, done):
+    def _wait(self, done: Callable[[], object]) -> None:
         """Poll ``done()`` until it is true, raising ``RankFailedError`` on a failure notice."""
         polls = 0
         while not done():
@@ -125,12 +127,12 @@ class MPICommunicator(Communicator):
             if polls > SPIN_POLLS:
                 time.sleep(min(MAX_SLEEP_S, 1e-6 * (polls - SPIN_POLLS)))
 
-    def _listen(self):
+    def _listen(self) -> Any:
         self._alarm_buf[:] = 0
         return self._alarm.Irecv([self._alarm_buf, self._MPI.BYTE], source=self._MPI.ANY_SOURCE,
                                  tag=ALARM_TAG)
 
-    def _check_alarm(self):
+    def _check_alarm(self) -> None:
         if self._alarm_req.Test(self._alarm_status):
             self._heard.add(self._alarm_status.Get_source())
             message = self._alarm_buf.tobytes().rstrip(b"\0").decode(errors="replace")
@@ -138,13 +140,13 @@ class MPICommunicator(Communicator):
             raise RankFailedError(message)
 
     @contextlib.contextmanager
-    def guard(self):
+    def guard(self) -> Iterator[None]:
         try:
             yield
         except BaseException as exc:  # noqa: B036 -- any way out of a rank must end the job
             self._abort(exc)
 
-    def _abort(self, exc):
+    def _abort(self, exc: BaseException) -> None:
         where = f"rank {self.rank} of {self.size}"
         if isinstance(exc, RankFailedError):
             cause = str(exc)
@@ -168,7 +170,7 @@ class MPICommunicator(Communicator):
         del sends
         self._world.Abort(1)
 
-    def _close(self):
+    def _close(self) -> None:
         with contextlib.suppress(Exception):
             self._alarm_req.Cancel()
             self._alarm_req.Wait()

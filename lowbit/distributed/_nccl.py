@@ -9,7 +9,12 @@ at least as many devices as ranks.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from ._mpi import MPICommunicator
 
 
 class NCCLCommunicator:
@@ -20,7 +25,7 @@ class NCCLCommunicator:
             unique id, its wait loop watches for failures).
     """
 
-    def __init__(self, mpi):
+    def __init__(self, mpi: MPICommunicator) -> None:
         import cupy
         from cupy.cuda import nccl
 
@@ -35,7 +40,7 @@ class NCCLCommunicator:
                         np.dtype(np.float32): nccl.NCCL_FLOAT32,
                         np.dtype(np.float64): nccl.NCCL_FLOAT64}
 
-    def _args(self, buf):
+    def _args(self, buf: Any) -> tuple[int, int, Any]:
         if buf.device.id != self.device:
             raise ValueError(f"arrays live on device {buf.device.id}, but this rank's NCCL "
                              f"communicator was made on device {self.device}")
@@ -44,13 +49,15 @@ class NCCLCommunicator:
                             f"{buf.dtype}")
         return buf.data.ptr, buf.size, self._dtypes[buf.dtype]
 
-    def broadcast(self, buf, root):
+    def broadcast(self, buf: Any, root: int) -> None:
+        """Broadcast the cupy buffer ``buf`` from rank ``root``, in place."""
         ptr, count, dtype = self._args(buf)
         stream = self._cupy.cuda.get_current_stream()
         self._comm.bcast(ptr, count, dtype, root, stream.ptr)
         self._wait(lambda: stream.done)
 
-    def allreduce_sum(self, buf):
+    def allreduce_sum(self, buf: Any) -> None:
+        """Sum the cupy buffer ``buf`` over the ranks, in place."""
         ptr, count, dtype = self._args(buf)
         stream = self._cupy.cuda.get_current_stream()
         self._comm.allReduce(ptr, ptr, count, dtype, self._nccl.NCCL_SUM, stream.ptr)

@@ -5,20 +5,27 @@ of a weight to export (``host_ternary``) and of an imported buffer and its shape
 (``host_buffer``).
 """
 
+from __future__ import annotations
+
 import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .. import _dispatch, _validate
 
+if TYPE_CHECKING:
+    from ..ops.quantize import PackedWeight
 
-def codecs(*arrays):
+
+def codecs(*arrays: object) -> ModuleType:
     """The module of conversion functions for these host arrays."""
     name = _dispatch.select_backend(*arrays)
     return importlib.import_module(f"lowbit.io.{'_numba' if name == 'numba' else '_numpy'}")
 
 
-def host_ternary(pw, name="pw"):
+def host_ternary(pw: object, name: str = "pw") -> PackedWeight:
     """``pw`` checked as a ternary ``PackedWeight`` on the host (contiguous data); messages name
     ``name``. A cupy-held weight is refused: lowbit never moves data off the GPU implicitly."""
     from ..ops.quantize import PackedWeight, checked_packed
@@ -34,7 +41,7 @@ def host_ternary(pw, name="pw"):
     return pw
 
 
-def host_buffer(data, name, shape):
+def host_buffer(data: object, name: str, shape: object) -> tuple[int, int]:
     """``(K, N)`` of ``shape`` after checking that ``data`` (named ``name``) is a host numpy
     array and ``shape`` a pair of positive integers."""
     if not isinstance(_validate.as_array(data, name), np.ndarray):

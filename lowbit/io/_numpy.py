@@ -20,6 +20,8 @@ ggml's 256-element blocks (``block_tq2_0``, ``block_tq1_0`` in ggml-common.h):
   The groups are (base, width, trits): (0, 32, 5), (160, 16, 5), (240, 4, 4).
 """
 
+from __future__ import annotations
+
 import numpy as np
 
 from ..ops.pack_bits import _numpy as _pack_bits_numpy
@@ -32,27 +34,27 @@ TQ1_GROUPS = ((0, 32, 5), (160, 16, 5), (240, 4, 4))
 _POW3 = np.array([81, 27, 9, 3, 1], dtype=np.uint16)
 
 
-def _codes(data, nb):
+def _codes(data: np.ndarray, nb: int) -> np.ndarray:
     return _pack_bits_numpy.unpack(data, 2, nb * QK).reshape(data.shape[0], nb, QK)
 
 
-def _flags(codes):
+def _flags(codes: np.ndarray) -> np.ndarray:
     return ((codes != 1).any(-1) | ((codes == 3).any(-1) << 1)).astype(np.uint8)
 
 
-def scale_bits(blocks, nb, nbytes):
+def scale_bits(blocks: np.ndarray, nb: int, nbytes: int) -> np.ndarray:
     """The fp16 scales' bits [N, nb] uint16 of blocks [N, nb * nbytes] (the last two bytes of
     each block, little-endian)."""
     b = blocks.reshape(blocks.shape[0], nb, nbytes)
     return b[:, :, -2].astype(np.uint16) | (b[:, :, -1].astype(np.uint16) << 8)
 
 
-def _with_scales(qs, flags, d16):
+def _with_scales(qs: np.ndarray, flags: np.ndarray, d16: int) -> np.ndarray:
     d = np.where(flags & 1, np.uint16(d16), np.uint16(0)).astype("<u2")
     return np.concatenate([qs, d[..., None].view(np.uint8)], axis=-1)
 
 
-def to_tq2(data, nb, d16):
+def to_tq2(data: np.ndarray, nb: int, d16: int) -> tuple[np.ndarray, np.ndarray]:
     """data [N, 64 nb] -> (blocks [N, 66 nb], flags [N, nb]); ``d16`` the fp16 scale's bits,
     written into every block that holds a non-zero code (0 into the others, as ggml does)."""
     N = data.shape[0]
@@ -63,7 +65,7 @@ def to_tq2(data, nb, d16):
     return _with_scales(qs, flags, d16).reshape(N, nb * TQ2_BYTES), flags
 
 
-def from_tq2(blocks, nb):
+def from_tq2(blocks: np.ndarray, nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """blocks [N, 66 nb] -> (data [N, 64 nb], flags [N, nb], scale bits [N, nb] uint16)."""
     N = blocks.shape[0]
     qs = blocks.reshape(N, nb, TQ2_BYTES)[:, :, :64].reshape(N, nb, 2, 1, 32)
@@ -72,11 +74,11 @@ def from_tq2(blocks, nb):
             scale_bits(blocks, nb, TQ2_BYTES))
 
 
-def to_tq1(data, nb, d16):
+def to_tq1(data: np.ndarray, nb: int, d16: int) -> tuple[np.ndarray, np.ndarray]:
     """data [N, 64 nb] -> (blocks [N, 54 nb], flags [N, nb]); scales as in ``to_tq2``."""
     N = data.shape[0]
     codes = _codes(data, nb)
-    parts = []
+    parts: list[np.ndarray] = []
     for base, width, trits in TQ1_GROUPS:
         group = codes[..., base:base + width * trits].reshape(N, nb, trits, width)
         q = (group.astype(np.uint16) * _POW3[:trits, None]).sum(axis=2, dtype=np.uint16)
@@ -85,11 +87,12 @@ def to_tq1(data, nb, d16):
     return _with_scales(np.concatenate(parts, -1), flags, d16).reshape(N, nb * TQ1_BYTES), flags
 
 
-def from_tq1(blocks, nb):
+def from_tq1(blocks: np.ndarray, nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """blocks [N, 54 nb] -> (data [N, 64 nb], flags [N, nb], scale bits [N, nb] uint16)."""
     N = blocks.shape[0]
     b = blocks.reshape(N, nb, TQ1_BYTES)
-    parts, start = [], 0
+    parts: list[np.ndarray] = []
+    start = 0
     for _, width, trits in TQ1_GROUPS:
         group = b[..., None, start:start + width].astype(np.uint16)
         scaled = (group * _POW3[::-1][:trits, None]) & 255
@@ -100,7 +103,7 @@ def from_tq1(blocks, nb):
             scale_bits(blocks, nb, TQ1_BYTES))
 
 
-def to_hf(data, K):
+def to_hf(data: np.ndarray, K: int) -> tuple[np.ndarray, bool]:
     """data [N, ceil(K / 4)] -> (packed [ceil(N / 4), K], bad): output ``n`` is field ``n // R``
     of row ``n % R`` (``R = ceil(N / 4)``), missing outputs are 0 fields; ``bad`` is True where a
     field holds 3."""
@@ -113,7 +116,7 @@ def to_hf(data, K):
     return np.bitwise_or.reduce(fields, axis=0), bool((codes == 3).any())
 
 
-def from_hf(packed, N):
+def from_hf(packed: np.ndarray, N: int) -> tuple[np.ndarray, bool]:
     """packed [ceil(N / 4), K] -> (data [N, ceil(K / 4)], bad); padding outputs are ignored."""
     R, K = packed.shape
     fields = (packed[None] >> (2 * np.arange(4, dtype=np.uint8))[:, None, None]) & 3

@@ -17,11 +17,14 @@ from __future__ import annotations
 import os
 import warnings
 
+from typing import Any
+
 import numpy as np
 
+from .._typing import Array
 from ..ops.quantize import EPS, PackedWeight, quantize_weight
 from ._codecs import codecs, host_buffer, host_ternary
-from ._files import atomic_path
+from ._files import StrPath, atomic_path
 from ._numpy import QK, TQ1_BYTES, TQ2_BYTES
 
 #: The ternary types and their bytes per 256-element block.
@@ -30,7 +33,7 @@ _FP16_EXP = 0x7C00  # an fp16 whose exponent bits are all set is inf or NaN
 _DENSE = (np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64)
 
 
-def _gguf():
+def _gguf() -> Any:
     try:
         import gguf
     except ImportError:
@@ -38,13 +41,13 @@ def _gguf():
     return gguf
 
 
-def _qtype(qtype, name="qtype") -> str:
+def _qtype(qtype: object, name: str = "qtype") -> str:
     if not isinstance(qtype, str) or qtype not in TYPES:
         raise ValueError(f"{name} must be one of {tuple(TYPES)}, got {qtype!r}")
     return qtype
 
 
-def _fp16_bits(scale, name) -> int:
+def _fp16_bits(scale: Array, name: str) -> int:
     with np.errstate(over="ignore"):
         half = np.float16(np.float32(scale))
     if not np.isfinite(half) or half == 0:
@@ -53,7 +56,7 @@ def _fp16_bits(scale, name) -> int:
     return int(half.view(np.uint16))
 
 
-def to_gguf(pw, qtype: str = "TQ2_0"):
+def to_gguf(pw: PackedWeight, qtype: str = "TQ2_0") -> np.ndarray:
     """A ternary weight in ggml's blocks.
 
     Every block that holds a non-zero code gets the tensor scale rounded to fp16 (an all-zero
@@ -87,7 +90,8 @@ def to_gguf(pw, qtype: str = "TQ2_0"):
     return out
 
 
-def from_gguf(data, shape, qtype: str = "TQ2_0", *, requantize: bool = False) -> PackedWeight:
+def from_gguf(data: np.ndarray, shape: tuple[int, int], qtype: str = "TQ2_0", *,
+              requantize: bool = False) -> PackedWeight:
     """A ternary weight from ggml's blocks.
 
     Exact when every block holding a non-zero code carries the same fp16 scale (as a ternarized
@@ -151,7 +155,8 @@ def from_gguf(data, shape, qtype: str = "TQ2_0", *, requantize: bool = False) ->
     return pw
 
 
-def save_gguf(path, tensors: dict, arch: str = "lowbit", qtype: str = "TQ2_0") -> None:
+def save_gguf(path: StrPath, tensors: dict[str, PackedWeight | np.ndarray], arch: str = "lowbit",
+              qtype: str = "TQ2_0") -> None:
     """Write a GGUF file, atomically (the previous file stays intact on any error).
 
     Args:
@@ -170,7 +175,8 @@ def save_gguf(path, tensors: dict, arch: str = "lowbit", qtype: str = "TQ2_0") -
     qtype = _qtype(qtype)
     if not isinstance(tensors, dict):
         raise TypeError(f"tensors must be a dict, got {type(tensors).__name__}")
-    prepared = []  # everything converted and checked before the file is opened
+    # everything converted and checked before the file is opened
+    prepared: list[tuple[str, np.ndarray, Any]] = []
     for name, value in tensors.items():
         if not isinstance(name, str) or not name:
             raise ValueError(f"tensors: names must be non-empty strings, got {name!r}")
@@ -196,7 +202,7 @@ def save_gguf(path, tensors: dict, arch: str = "lowbit", qtype: str = "TQ2_0") -
         writer.close()
 
 
-def load_gguf(path, *, requantize: bool = False) -> dict:
+def load_gguf(path: StrPath, *, requantize: bool = False) -> dict[str, PackedWeight | np.ndarray]:
     """Read a GGUF file's tensors.
 
     Returns:
@@ -217,7 +223,7 @@ def load_gguf(path, *, requantize: bool = False) -> dict:
         raise
     except Exception as exc:  # the reader raises assorted errors on malformed files
         raise ValueError(f"path {os.fspath(path)!r} is not a readable GGUF file: {exc}") from None
-    out = {}
+    out: dict[str, PackedWeight | np.ndarray] = {}
     for t in reader.tensors:
         kind = t.tensor_type.name
         ne = [int(d) for d in t.shape]

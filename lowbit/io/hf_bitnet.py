@@ -24,18 +24,20 @@ import numpy as np
 
 from ..ops.quantize import PackedWeight
 from ._codecs import codecs, host_buffer, host_ternary
+from ._files import StrPath
 from .safetensors import read_file
 
 CONVENTIONS = ("bitlinear", "autobitlinear")
 
 
-def _convention(convention) -> str:
+def _convention(convention: object) -> str:
     if convention not in CONVENTIONS:
         raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
-    return convention
+    return str(convention)
 
 
-def to_hf_bitnet(pw, convention: str = "bitlinear"):
+def to_hf_bitnet(pw: PackedWeight,
+                 convention: str = "bitlinear") -> tuple[np.ndarray, np.ndarray]:
     """A ternary weight in transformers' BitNet layout.
 
     Args:
@@ -65,7 +67,8 @@ def to_hf_bitnet(pw, convention: str = "bitlinear"):
     return packed, np.array([scale], dtype=np.float32)
 
 
-def from_hf_bitnet(packed, weight_scale, shape, convention: str = "bitlinear") -> PackedWeight:
+def from_hf_bitnet(packed: np.ndarray, weight_scale: np.ndarray | float, shape: tuple[int, int],
+                   convention: str = "bitlinear") -> PackedWeight:
     """A ternary weight from transformers' BitNet layout.
 
     Args:
@@ -102,7 +105,9 @@ def from_hf_bitnet(packed, weight_scale, shape, convention: str = "bitlinear") -
     return PackedWeight("ternary", (K, N), data, np.asarray(scale, dtype=np.float32))
 
 
-def load_hf_bitnet(path, convention: str = "bitlinear", out_features: dict | None = None):
+def load_hf_bitnet(path: StrPath, convention: str = "bitlinear",
+                   out_features: dict[str, int] | None = None
+                   ) -> dict[str, PackedWeight | np.ndarray]:
     """Read a Hugging Face BitNet safetensors checkpoint, without torch.
 
     A BitLinear layer is a uint8 ``<prefix>weight`` beside a ``<prefix>weight_scale``; it becomes
@@ -125,7 +130,7 @@ def load_hf_bitnet(path, convention: str = "bitlinear", out_features: dict | Non
     convention = _convention(convention)
     arrays, _ = read_file(path)
     out_features = dict(out_features or {})
-    out = {}
+    out: dict[str, PackedWeight | np.ndarray] = {}
     for name, arr in arrays.items():
         scale_name = name + "_scale"
         if name.endswith("weight") and arr.dtype == np.uint8 and scale_name in arrays:

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import json
 import os
+from typing import IO, Any, Literal, overload
 
 import numpy as np
 
 from .. import _backend
 from ..ops.quantize import PackedWeight, checked_packed
-from ._files import atomic_path
+from .._typing import Array
+from ._files import StrPath, atomic_path
 
 #: Version of the ``"lowbit"`` metadata entry this module writes.
 FORMAT_VERSION = 1
@@ -41,11 +43,12 @@ MAX_HEADER = 100_000_000
 _ALIGN = 8
 
 
-def _write_array(f, arr) -> None:
+def _write_array(f: IO[bytes], arr: np.ndarray) -> None:
     f.write(arr.reshape(-1).view(np.uint8).data)
 
 
-def write_file(path, arrays: dict, metadata: dict | None = None) -> None:
+def write_file(path: StrPath, arrays: dict[str, np.ndarray],
+               metadata: dict[str, str] | None = None) -> None:
     """Write host arrays to a safetensors file, atomically.
 
     Args:
@@ -56,7 +59,7 @@ def write_file(path, arrays: dict, metadata: dict | None = None) -> None:
     Raises:
         TypeError / ValueError: a name, an array or a metadata entry that cannot be stored.
     """
-    ordered = []
+    ordered: list[tuple[str, str, np.ndarray]] = []
     for name, arr in arrays.items():
         if not isinstance(name, str) or not name or name == "__metadata__":
             raise ValueError(f"tensors: a name must be a non-empty string other than "
@@ -74,7 +77,8 @@ def write_file(path, arrays: dict, metadata: dict | None = None) -> None:
             raise TypeError(f"metadata must map strings to strings, got {k!r}: {v!r}")
     # Widest items first keeps every tensor aligned to its item size (the data starts aligned).
     ordered.sort(key=lambda t: (-t[2].dtype.itemsize, t[0]))
-    header, offset = {}, 0
+    header: dict[str, Any] = {}
+    offset = 0
     if meta:
         header["__metadata__"] = meta
     for name, code, arr in ordered:
@@ -91,11 +95,12 @@ def write_file(path, arrays: dict, metadata: dict | None = None) -> None:
                 _write_array(f, arr)
 
 
-def _bad(path, what):
+def _bad(path: StrPath, what: str) -> ValueError:
     return ValueError(f"path {os.fspath(path)!r}: not a valid safetensors file: {what}")
 
 
-def _parse_header(path, raw: bytes, size: int):
+def _parse_header(path: StrPath, raw: bytes, size: int
+                  ) -> tuple[list[tuple[int, str, str, tuple[int, ...]]], dict[str, str]]:
     """The header's entries, checked against the data size; returns ``(entries, metadata)`` with
     entries ``(begin, name, dtype code, shape)`` in file order."""
     try:
@@ -139,7 +144,7 @@ def _parse_header(path, raw: bytes, size: int):
     return [(b, n, c, s) for b, _, n, c, s in entries], meta
 
 
-def read_file(path):
+def read_file(path: StrPath) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Read a safetensors file into host arrays.
 
     Returns:
@@ -159,7 +164,7 @@ def read_file(path):
         if n > min(MAX_HEADER, total - 8):
             raise _bad(path, f"header length {n} exceeds the file ({total} bytes) or the limit")
         entries, meta = _parse_header(path, f.read(n), total - 8 - n)
-        arrays = {}
+        arrays: dict[str, np.ndarray] = {}
         for _, name, code, shape in entries:
             dtype = np.dtype("<u2" if code == "BF16" else DTYPES[code])
             count = int(np.prod(shape, dtype=np.int64))
@@ -172,7 +177,8 @@ def read_file(path):
     return arrays, meta
 
 
-def save(path, tensors: dict, metadata: dict | None = None) -> None:
+def save(path: StrPath, tensors: dict[str, Array | PackedWeight],
+         metadata: dict[str, str] | None = None) -> None:
     """Write arrays and packed weights to one safetensors file, atomically.
 
     Args:
@@ -192,12 +198,14 @@ def save(path, tensors: dict, metadata: dict | None = None) -> None:
     meta = dict(metadata or {})
     if LOWBIT_KEY in meta:
         raise ValueError(f"metadata key {LOWBIT_KEY!r} is reserved for lowbit's own entry")
-    arrays, packed = {}, {}
+    arrays: dict[str, np.ndarray] = {}
+    packed: dict[str, dict[str, Any]] = {}
     for name, value in tensors.items():
         if isinstance(value, PackedWeight):
             pw = checked_packed(value, f"tensors[{name!r}]")
             packed[name] = {"format": pw.format, "shape": list(pw.shape)}
-            pairs = ((name, pw.data), (name + SCALE_SUFFIX, pw.scale))
+            pairs: tuple[tuple[str, Array], ...] = ((name, pw.data),
+                                                    (name + SCALE_SUFFIX, pw.scale))
         elif isinstance(value, np.ndarray) or _backend.is_cupy_array(value):
             pairs = ((name, value),)
         else:
@@ -212,7 +220,25 @@ def save(path, tensors: dict, metadata: dict | None = None) -> None:
     write_file(path, arrays, meta)
 
 
-def load(path, xp=None, *, with_metadata: bool = False):
+@overload
+def load(path: StrPath, xp: Any = None, *,
+         with_metadata: Literal[False] = False) -> dict[str, Array | PackedWeight]: ...
+
+
+@overload
+def load(path: StrPath, xp: Any = None, *, with_metadata: Literal[True]
+         ) -> tuple[dict[str, Array | PackedWeight], dict[str, str]]: ...
+
+
+@overload
+def load(path: StrPath, xp: Any = None, *, with_metadata: bool = False
+         ) -> dict[str, Array | PackedWeight] | tuple[dict[str, Array | PackedWeight],
+                                                       dict[str, str]]: ...
+
+
+def load(path: StrPath, xp: Any = None, *, with_metadata: bool = False
+         ) -> dict[str, Array | PackedWeight] | tuple[dict[str, Array | PackedWeight],
+                                                       dict[str, str]]:
     """Read a file written by ``save`` (or any safetensors file).
 
     Args:
@@ -238,7 +264,7 @@ def load(path, xp=None, *, with_metadata: bool = False):
         raise ValueError(f"path {os.fspath(path)!r} has lowbit container version {version!r}, "
                          f"expected {FORMAT_VERSION}")
     xp = np if xp is None else xp
-    out = {}
+    out: dict[str, Array | PackedWeight] = {}
     for name, info in packed.items():
         if name not in arrays or name + SCALE_SUFFIX not in arrays:
             raise ValueError(f"path {os.fspath(path)!r}: packed weight {name!r} lacks its data "

@@ -17,17 +17,22 @@ schedules, checkpoints, the training loop); the float64 reference of the whole m
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, ContextManager
 
 import numpy as np
 
 from .. import _backend, _ctx, _dispatch, _validate
+from .._typing import Array
 from ..ops.lowrank_residual._pattern import latent_pattern
-from ..ops.cross_entropy import cross_entropy, cross_entropy_backward, cross_entropy_forward
-from ..ops.embedding import embedding, embedding_backward, embedding_forward
-from ..ops.layer_norm import layer_norm, layer_norm_backward, layer_norm_forward
-from ..ops.lowrank_residual import (LowBitPlan, lowrank_residual, lowrank_residual_backward,
+from ..ops.cross_entropy import (CrossEntropyCtx, cross_entropy, cross_entropy_backward,
+                                 cross_entropy_forward)
+from ..ops.embedding import EmbeddingCtx, embedding, embedding_backward, embedding_forward
+from ..ops.layer_norm import LayerNormCtx, layer_norm, layer_norm_backward, layer_norm_forward
+from ..ops.lowrank_residual import (BlockPattern, LowBitPlan, LowrankResidualCtx,
+                                    lowrank_residual, lowrank_residual_backward,
                                     lowrank_residual_forward, quantize_layer_weights)
-from ..ops.packed_matmul import linear_backward, linear_forward
+from ..ops.packed_matmul import LinearCtx, linear_backward, linear_forward
+from ..ops.saved_activation import SavedConfig
 
 PARAMS = ("embed", "encoder", "encoder_v", "decoder", "lm_head")
 #: Standard deviation of every initial parameter (the reference's normal_(std=0.02)).
@@ -60,10 +65,10 @@ class BDHConfig:
     mlp_internal_dim_multiplier: int = 64
     vocab_size: int = 256
     plan: LowBitPlan = LowBitPlan()
-    saved: object = None
-    latent_pattern: object = None
+    saved: str | SavedConfig | None = None
+    latent_pattern: BlockPattern | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "mlp_internal_dim_multiplier", "vocab_size"):
             _validate.integer(getattr(self, name), name, minimum=1)
         if self.n_embd * self.mlp_internal_dim_multiplier % self.n_head:
@@ -85,14 +90,14 @@ class BDHConfig:
         """N, latent neurons per head."""
         return self.mlp_internal_dim_multiplier * self.n_embd // self.n_head
 
-    def shapes(self) -> dict:
+    def shapes(self) -> dict[str, tuple[int, ...]]:
         """The parameter shapes by name."""
         D, H, N, V = self.n_embd, self.n_head, self.n_latent, self.vocab_size
         return {"embed": (V, D), "encoder": (H, D, N), "encoder_v": (H, D, N),
                 "decoder": (H * N, D), "lm_head": (D, V)}
 
 
-def init_params(config: BDHConfig, seed: int = 0, xp=np) -> dict:
+def init_params(config: BDHConfig, seed: int = 0, xp: Any = np) -> dict[str, Array]:
     """Parameters drawn as the reference draws them: normal, std 0.02, float32.
 
     Args:
@@ -112,15 +117,15 @@ class BDHCtx(_ctx.Ctx):
     ``dense_nbytes`` and ``lowbit.memory_report`` walk them)."""
 
     config: BDHConfig
-    shapes: dict
-    embed: object
-    norm: object
-    levels: list
-    head: object
-    loss: object
+    shapes: dict[str, tuple[int, ...]]
+    embed: EmbeddingCtx
+    norm: LayerNormCtx
+    levels: list[LowrankResidualCtx]
+    head: LinearCtx
+    loss: CrossEntropyCtx
 
 
-def _check_params(config, params):
+def _check_params(config: BDHConfig, params: object) -> None:
     if not isinstance(params, dict) or set(params) != set(PARAMS):
         got = sorted(params) if isinstance(params, dict) else type(params).__name__
         raise ValueError(f"params must be a dict with keys {list(PARAMS)}, got {got}")
@@ -132,7 +137,7 @@ def _check_params(config, params):
     _backend.array_kind(*params.values())
 
 
-def _ids(ids, name, config, like):
+def _ids(ids: Array, name: str, config: BDHConfig, like: Array) -> Array:
     ids = _validate.as_array(ids, name)
     if ids.ndim != 2 or 0 in ids.shape:
         raise ValueError(f"{name} must have shape [B, T] with B, T >= 1, got {tuple(ids.shape)}")
@@ -142,12 +147,12 @@ def _ids(ids, name, config, like):
     return ids
 
 
-def _level_seed(seed, level):
+def _level_seed(seed: int, level: int) -> int:
     return (seed * LEVEL_SEED_MUL + level) % 2**32
 
 
-def forward(config: BDHConfig, params: dict, ids, targets, *, seed: int = 0,
-            row_offset: int = 0):
+def forward(config: BDHConfig, params: dict[str, Array], ids: Array, targets: Array, *,
+            seed: int = 0, row_offset: int = 0) -> tuple[Array, BDHCtx]:
     """Mean next-byte cross-entropy of the model on ``ids``, keeping what ``backward`` needs.
 
     Args:
@@ -173,23 +178,26 @@ def forward(config: BDHConfig, params: dict, ids, targets, *, seed: int = 0,
         return _forward(config, params, ids, targets, seed, row_offset)
 
 
-def _numba_blas(like):
+def _numba_blas(like: Array) -> ContextManager[None]:
     """One BLAS thread while the numba backend runs (``lowbit._backend.single_threaded_blas``)."""
     return _backend.single_threaded_blas(_dispatch.select_backend(like) == "numba")
 
 
-def _forward(config, params, ids, targets, seed, row_offset):
+def _forward(config: BDHConfig, params: dict[str, Array], ids: Array, targets: Array, seed: int,
+             row_offset: int) -> tuple[Array, BDHCtx]:
     B, T = ids.shape
     emb, emb_ctx = embedding_forward(params["embed"], ids)
     x, norm_ctx = layer_norm_forward(emb, saved=config.saved)
-    levels = []
+    levels: list[LowrankResidualCtx] = []
     weights = params["encoder"], params["encoder_v"], params["decoder"]
     packed = quantize_layer_weights(*weights, config.plan)  # once: the levels share them
     for level in range(config.n_layer):
+        # The layer takes a seed and a row offset only with dropout (they place its masks).
+        masks: dict[str, Any] = (dict(seed=_level_seed(seed, level), row_offset=row_offset)
+                                 if config.dropout else {})
         x, ctx = lowrank_residual_forward(
             x, *weights, plan=config.plan, saved=config.saved, dropout=config.dropout,
-            seed=_level_seed(seed, level), row_offset=row_offset, packed=packed,
-            latent_pattern=config.latent_pattern)
+            packed=packed, latent_pattern=config.latent_pattern, **masks)
         levels.append(ctx)
     logits, head_ctx = linear_forward(x.reshape(B * T, config.n_embd), params["lm_head"], None,
                                       None, saved=config.saved)
@@ -198,7 +206,7 @@ def _forward(config, params, ids, targets, seed, row_offset):
     return loss, BDHCtx(config, shapes, emb_ctx, norm_ctx, levels, head_ctx, loss_ctx)
 
 
-def backward(ctx: BDHCtx) -> dict:
+def backward(ctx: BDHCtx) -> dict[str, Array]:
     """Gradients of the forward's loss: a dict with the parameters' names, float32.
 
     The quantized projections pass gradients straight through (``lowbit.linear_backward``'s
@@ -211,7 +219,7 @@ def backward(ctx: BDHCtx) -> dict:
         return _backward(ctx)
 
 
-def _backward(ctx):
+def _backward(ctx: BDHCtx) -> dict[str, Array]:
     dlogits = cross_entropy_backward(1.0, ctx.loss)
     dx, dlm_head = linear_backward(dlogits, ctx.head)
     xp = _backend.array_module(dx)
@@ -226,7 +234,7 @@ def _backward(ctx):
             "lm_head": dlm_head}
 
 
-def logits(config: BDHConfig, params: dict, ids):
+def logits(config: BDHConfig, params: dict[str, Array], ids: Array) -> Array:
     """Inference: next-byte logits [B, T, vocab_size] float32 (no dropout, nothing saved)."""
     _check_params(config, params)
     ids = _ids(ids, "ids", config, params["embed"])
@@ -241,14 +249,14 @@ def logits(config: BDHConfig, params: dict, ids):
         return (x.reshape(B * T, -1) @ params["lm_head"]).reshape(B, T, -1)
 
 
-def loss(config: BDHConfig, params: dict, ids, targets):
+def loss(config: BDHConfig, params: dict[str, Array], ids: Array, targets: Array) -> float:
     """Inference loss (no dropout, nothing saved): a Python float, nats per byte."""
     out = logits(config, params, ids)
     targets = _ids(targets, "targets", config, params["embed"])
     return float(cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1)))
 
 
-def generate(config: BDHConfig, params: dict, prompt_bytes: bytes, n: int, *,
+def generate(config: BDHConfig, params: dict[str, Array], prompt_bytes: bytes, n: int, *,
              temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
              context: int | None = None) -> bytes:
     """Sample ``n`` bytes after ``prompt_bytes``.

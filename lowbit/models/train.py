@@ -20,12 +20,15 @@ import dataclasses
 import json
 import math
 import time
+from typing import Any, Callable
 
 import numpy as np
 
 from .. import _backend, _validate
+from .._typing import Array
 from ..distributed import Communicator
 from ..io import safetensors as checkpoint_file
+from ..io._files import StrPath
 from ..ops.adamw import AdamW
 from ..ops.lowrank_residual import BlockPattern, LowBitPlan
 from ..ops.saved_activation import SavedConfig
@@ -45,7 +48,7 @@ def default_corpus() -> bytes:
     return "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
 
 
-def unigram_entropy(data) -> float:
+def unigram_entropy(data: bytes | np.ndarray) -> float:
     """Entropy of the byte distribution of ``data`` in nats per byte."""
     counts = np.bincount(np.frombuffer(bytes(data), dtype=np.uint8), minlength=256)
     p = counts[counts > 0] / counts.sum()
@@ -72,7 +75,8 @@ class Batches:
         rank: the data-parallel rank whose stream this is (``rank_stream``); 0 for one process.
     """
 
-    def __init__(self, data, block: int, batch: int, seed: int = 0, rank: int = 0):
+    def __init__(self, data: bytes | np.ndarray, block: int, batch: int, seed: int = 0,
+                 rank: int = 0) -> None:
         self.block = _validate.integer(block, "block", minimum=1)
         self.batch = _validate.integer(batch, "batch", minimum=1)
         arr = np.frombuffer(bytes(data), dtype=np.uint8) if not isinstance(data, np.ndarray) \
@@ -87,7 +91,8 @@ class Batches:
         self.rank = _validate.integer(rank, "rank", minimum=0)
         self.rng = rank_stream(seed, self.rank)
 
-    def sample(self, split: str = "train", rng=None):
+    def sample(self, split: str = "train", rng: np.random.Generator | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
         """``(ids, targets)``: two [batch, block] int64 arrays, targets shifted by one byte."""
         part = self.splits[split]
         rng = self.rng if rng is None else rng
@@ -95,10 +100,11 @@ class Batches:
         windows = np.stack([part[s:s + self.block + 1] for s in starts]).astype(np.int64)
         return windows[:, :-1], windows[:, 1:]
 
-    def state(self) -> dict:
-        return self.rng.bit_generator.state
+    def state(self) -> dict[str, Any]:
+        """The generator's state (JSON-able), for ``set_state`` and checkpoints."""
+        return dict(self.rng.bit_generator.state)
 
-    def set_state(self, state: dict) -> None:
+    def set_state(self, state: dict[str, Any]) -> None:
         """Restore a ``state()``, or this rank's from a data-parallel checkpoint's
         ``{"ranks": [state of rank 0, ...]}``."""
         if "ranks" in state:
@@ -113,10 +119,10 @@ class Batches:
 class _RankStreams:
     """The batch state a data-parallel run checkpoints: every rank's stream, in rank order."""
 
-    def __init__(self, states):
+    def __init__(self, states: list[dict[str, Any]]) -> None:
         self.states = states
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         return {"ranks": self.states}
 
 
@@ -138,7 +144,7 @@ class Schedule:
     steps: int = 100
     peak_factor: float = 1.5
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.kind not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.kind!r}")
         _validate.integer(self.warmup, "warmup", minimum=0)
@@ -159,7 +165,7 @@ class Schedule:
 
 # -- checkpoints --------------------------------------------------------------------------------
 
-def _config_dict(config: bdh.BDHConfig) -> dict:
+def _config_dict(config: bdh.BDHConfig) -> dict[str, Any]:
     out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     out["plan"] = dataclasses.asdict(config.plan)
     saved = config.saved
@@ -171,7 +177,9 @@ def _config_dict(config: bdh.BDHConfig) -> dict:
     return out
 
 
-def config_from_dict(d: dict) -> bdh.BDHConfig:
+def config_from_dict(d: dict[str, Any]) -> bdh.BDHConfig:
+    """The ``BDHConfig`` of a checkpoint's config entry (the inverse of the dict a checkpoint
+    stores: plan, saved policy and latent pattern rebuilt from their JSON forms)."""
     d = dict(d)
     d["plan"] = LowBitPlan(**{k: tuple(v) for k, v in d["plan"].items()})
     if isinstance(d["saved"], dict):
@@ -188,7 +196,9 @@ def config_from_dict(d: dict) -> bdh.BDHConfig:
 _META_KEY = "checkpoint"
 
 
-def save_checkpoint(path, config, params, optimizer, step, batches, extra=None) -> None:
+def save_checkpoint(path: StrPath, config: bdh.BDHConfig, params: dict[str, Array],
+                    optimizer: AdamW, step: int, batches: Batches | _RankStreams,
+                    extra: dict[str, Any] | None = None) -> None:
     """Write parameters, optimizer state, step, batch-generator state and config to ``path``
     through ``lowbit.io.save`` (a safetensors file; the config, step, optimizer scalars and
     generator state as JSON in its metadata), atomically: a crash mid-save leaves the previous
@@ -203,7 +213,8 @@ def save_checkpoint(path, config, params, optimizer, step, batches, extra=None) 
     checkpoint_file.save(path, arrays, metadata={_META_KEY: json.dumps(meta)})
 
 
-def load_checkpoint(path, config=None, xp=np):
+def load_checkpoint(path: StrPath, config: bdh.BDHConfig | None = None,
+                    xp: Any = np) -> dict[str, Any]:
     """Read a checkpoint of ``save_checkpoint``.
 
     Returns:
@@ -228,7 +239,7 @@ def load_checkpoint(path, config=None, xp=np):
         raise ValueError(f"checkpoint {path!r} was written for another config: {stored} "
                          f"(asked for {config})")
 
-    def group(prefix):
+    def group(prefix: str) -> dict[str, Any]:
         return {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith(prefix + "/")}
 
     optimizer = dict(meta["optimizer"], exp_avg=group("exp_avg"), exp_avg_sq=group("exp_avg_sq"))
@@ -238,13 +249,14 @@ def load_checkpoint(path, config=None, xp=np):
 
 # -- the loop -----------------------------------------------------------------------------------
 
-def evaluate(config, params, batches, n_batches: int, seed: int = 0, comm=None) -> float:
+def evaluate(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches, n_batches: int,
+             seed: int = 0, comm: Communicator | None = None) -> float:
     """Mean validation loss over ``n_batches`` batches drawn with a generator of its own (the
     training generator is not advanced; rank r draws from ``rank_stream(seed, r)``), nats per
     byte; with ``comm``, averaged over the ranks."""
     xp = _backend.array_module(params["embed"])
     rng = rank_stream(seed, batches.rank)
-    losses = []
+    losses: list[float] = []
     for _ in range(n_batches):
         ids, targets = batches.sample("val", rng)
         losses.append(bdh.loss(config, params, xp.asarray(ids), xp.asarray(targets)))
@@ -254,9 +266,12 @@ def evaluate(config, params, batches, n_batches: int, seed: int = 0, comm=None) 
     return float(mean[0])
 
 
-def train(config, params, batches, schedule, *, steps=None, start_step=0, optimizer=None,
-          seed=0, eval_every=0, eval_batches=4, max_grad_norm=1.0, callback=None,
-          progress=True, checkpoint=None, comm=None):
+def train(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches, schedule: Schedule,
+          *, steps: int | None = None, start_step: int = 0, optimizer: AdamW | None = None,
+          seed: int = 0, eval_every: int = 0, eval_batches: int = 4, max_grad_norm: float = 1.0,
+          callback: Callable[[int, dict[str, float]], object] | None = None,
+          progress: bool = True, checkpoint: StrPath | None = None,
+          comm: Communicator | None = None) -> dict[str, Any]:
     """Train ``params`` in place with AdamW from ``start_step`` up to ``steps`` (default
     ``schedule.steps``).
 
@@ -303,7 +318,7 @@ def train(config, params, batches, schedule, *, steps=None, start_step=0, optimi
         if optimizer is None:
             lr, wd = schedule(start_step)
             optimizer = AdamW(lr=lr, weight_decay=wd, max_grad_norm=max_grad_norm)
-        history = {"train": [], "val": [], "optimizer": optimizer}
+        history: dict[str, Any] = {"train": [], "val": [], "optimizer": optimizer}
         bar = None
         if progress and comm.rank == 0:
             from tqdm import tqdm

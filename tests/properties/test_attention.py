@@ -59,9 +59,9 @@ def test_segmented_attention_equals_reference(case):
     ref_grads = segmented_attention_bwd_ref(dout, q, k, v, lengths, scale, causal)
 
     def call():
-        out, ctx = lowbit.segmented_attention_forward(q, k, v, lengths, scale, causal)
+        out, ctx = lowbit.segmented_attention_forward(q, k, v, lengths, scale=scale, causal=causal)
         grads = lowbit.segmented_attention_backward(dout, ctx)
-        inference = lowbit.segmented_attention(q, k, v, lengths, scale, causal)
+        inference = lowbit.segmented_attention(q, k, v, lengths, scale=scale, causal=causal)
         return out, ctx.lse.unpack(), grads, inference
 
     # cudasim runs a thread per (row, lane) with barriers: only at a handful of tokens.
@@ -85,10 +85,10 @@ def test_bad_lengths_and_scale_are_rejected(lengths, scale):
         if scale > 0 and np.isfinite(scale):
             return
         with pytest.raises(ValueError, match="scale"):
-            lowbit.segmented_attention(q, q, q, lengths, scale)
+            lowbit.segmented_attention(q, q, q, lengths, scale=scale)
         return
     with pytest.raises((TypeError, ValueError), match="lengths"):
-        lowbit.segmented_attention(q, q, q, lengths, scale)
+        lowbit.segmented_attention(q, q, q, lengths, scale=scale)
 
 
 @pytest.mark.parametrize("dtypes", [(np.float32, np.float64, np.float32),

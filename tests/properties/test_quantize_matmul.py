@@ -119,11 +119,12 @@ def test_packed_matmul_equals_reference(M, K, N, format, act, layout, dtype, por
         out = on_backends(lambda: lowbit.packed_matmul(x, pw, act), x.size + w.size, x=x,
                           data_=pw.data, scale=pw.scale)
     for name, y in out.items():
-        assert y.dtype == np.float32 and y.shape == (M, N)
+        # computed in float32, returned in x's dtype
+        assert y.dtype == dtype and y.shape == (M, N)
         if act is None:
             assert_close(f"{name} y", want, y, rtol=1e-5)
         else:
-            assert_equal(f"{name} y", want, y)
+            assert_equal(f"{name} y", want.astype(dtype), y)
 
 
 @given(lead=st.lists(dims(high=7), min_size=1, max_size=2), K=dims(high=37), N=dims(high=13),
@@ -135,6 +136,7 @@ def test_linear_equals_reference(lead, K, N, weight_format, act, layout, dtype, 
                  layout)
     w = relayout(data.draw(arrays((K, N), dtype, elements=st.floats(-2, 2, width=32))), layout)
     dy = data.draw(arrays((*lead, N), np.float32, elements=st.floats(-2, 2, width=32)))
+    dy = dy.astype(dtype)  # the output's dtype (x and w share dtype here)
     y_ref = linear_ref(x, w, weight_format, act)
     dx_ref, dw_ref = linear_bwd_ref(dy, x, w, weight_format, act)
 

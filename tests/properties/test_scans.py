@@ -66,9 +66,10 @@ def test_gated_delta_scan_equals_reference(case):
     ref_grads = gated_delta_scan_bwd_ref(*inputs, dout, dstate)
 
     def call():
-        out, state, ctx = lowbit.gated_delta_scan_forward(*inputs, chunk_size=chunk)
+        out, state, ctx = lowbit.gated_delta_scan_forward(*inputs[:5], initial_state=inputs[5],
+                                                          chunk_size=chunk)
         return out, state, lowbit.gated_delta_scan_backward(dout, dstate, ctx), \
-            lowbit.gated_delta_scan(*inputs)
+            lowbit.gated_delta_scan(*inputs[:5], initial_state=inputs[5])
 
     sim = inputs[0].size if inputs[0].shape[1] <= SIM_TOKENS else 10**9
     rtol = RTOL[inputs[0].dtype.type]
@@ -120,9 +121,10 @@ def test_selective_scan_equals_reference(case):
     ref_grads = selective_scan_bwd_ref(*inputs, dout, dstate, dt_floor)
 
     def call():
-        out, state, ctx = lowbit.selective_scan_forward(*inputs, dt_floor, chunk_size=chunk)
+        out, state, ctx = lowbit.selective_scan_forward(*inputs[:7], initial_state=inputs[7],
+                                                        dt_floor=dt_floor, chunk_size=chunk)
         return out, state, lowbit.selective_scan_backward(dout, dstate, ctx), \
-            lowbit.selective_scan(*inputs, dt_floor)
+            lowbit.selective_scan(*inputs[:7], initial_state=inputs[7], dt_floor=dt_floor)
 
     sim = inputs[0].size if inputs[0].shape[1] <= SIM_TOKENS else 10**9
     rtol = RTOL[inputs[0].dtype.type]
@@ -141,10 +143,11 @@ def test_non_finite_initial_state_is_rejected(bad):
     s0 = np.ones((1, 1, 2, 2))
     s0[0, 0, 1, 1] = bad
     with pytest.raises(ValueError, match="initial_state"):
-        lowbit.gated_delta_scan(q, q, q, np.zeros((1, 2, 1)), np.ones((1, 2, 1)), s0)
+        lowbit.gated_delta_scan(q, q, q, np.zeros((1, 2, 1)), np.ones((1, 2, 1)),
+                                initial_state=s0)
     h = np.ones(1)
     with pytest.raises(ValueError, match="initial_state"):
-        lowbit.selective_scan(q, q, q, np.ones((1, 2, 1)), h, h, h, s0)
+        lowbit.selective_scan(q, q, q, np.ones((1, 2, 1)), h, h, h, initial_state=s0)
 
 
 @given(which=st.sampled_from(["k", "v", "log_decay", "beta"]),

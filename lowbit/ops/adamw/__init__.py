@@ -18,6 +18,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ... import _backend, _dispatch, _validate
+from ..._typing import Array
 
 #: Added to the total norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does.
 CLIP_EPS = 1e-6
@@ -105,7 +106,7 @@ def _check_disjoint(params, grads, names):
         if g.nbytes and g.flags.c_contiguous:
             spans.append((*_span(g), "grads", k))
     spans.sort()
-    furthest = {"params": None, "grads": None}  # kind -> (end, label)
+    furthest: dict[str, tuple[int, str] | None] = {"params": None, "grads": None}  # (end, label)
     for start, end, kind, k in spans:
         label = f"{kind}[{k!r}]"
         for other in ("params", "grads") if kind == "params" else ("params",):
@@ -113,7 +114,8 @@ def _check_disjoint(params, grads, names):
             if seen is not None and start < seen[0]:
                 raise ValueError(f"{label} shares memory with {seen[1]}; each parameter must "
                                  "own its buffer, and no gradient may alias a parameter")
-        if furthest[kind] is None or end > furthest[kind][0]:
+        mine = furthest[kind]
+        if mine is None or end > mine[0]:
             furthest[kind] = (end, label)
 
 
@@ -140,7 +142,7 @@ class AdamW:
         >>> opt.lr = 3e-4                # schedules set lr between steps
         >>> state = opt.state_dict()     # plain data + array copies, for a checkpoint
 
-    Args:
+    Args (keyword-only):
         lr: learning rate, finite and >= 0 (settable between steps).
         betas: ``(beta1, beta2)``, each in [0, 1).
         eps: > 0, added to the denominator.
@@ -151,17 +153,18 @@ class AdamW:
         TypeError, ValueError: a bad hyperparameter; the message names it.
     """
 
-    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 max_grad_norm=None):
+    def __init__(self, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01,
+                 max_grad_norm: float | None = None) -> None:
         self._lr = _nonnegative(lr, "lr")
         self._betas = _betas(betas)
         self._eps = _eps(eps)
         self._weight_decay = _nonnegative(weight_decay, "weight_decay")
         self._max_grad_norm = _max_grad_norm(max_grad_norm)
         self._step = 0
-        self._exp_avg = {}
-        self._exp_avg_sq = {}
-        self._last_grad_norm = None
+        self._exp_avg: dict[str, Array] = {}
+        self._exp_avg_sq: dict[str, Array] = {}
+        self._last_grad_norm: float | None = None
 
     # -- hyperparameters -------------------------------------------------------------------
 
@@ -171,11 +174,11 @@ class AdamW:
         return self._lr
 
     @lr.setter
-    def lr(self, value):
+    def lr(self, value: float) -> None:
         self._lr = _nonnegative(value, "lr")
 
     @property
-    def betas(self) -> tuple:
+    def betas(self) -> tuple[float, float]:
         return self._betas
 
     @property
@@ -189,15 +192,15 @@ class AdamW:
         return self._weight_decay
 
     @weight_decay.setter
-    def weight_decay(self, value):
+    def weight_decay(self, value: float) -> None:
         self._weight_decay = _nonnegative(value, "weight_decay")
 
     @property
-    def max_grad_norm(self):
+    def max_grad_norm(self) -> float | None:
         return self._max_grad_norm
 
     @property
-    def last_grad_norm(self):
+    def last_grad_norm(self) -> float | None:
         """Global 2-norm of the last step's gradients before clipping (float), or None when
         clipping is off or no step has run."""
         return self._last_grad_norm
@@ -255,7 +258,7 @@ class AdamW:
         return names, {k: _backend.array_module(g).ascontiguousarray(g).reshape(-1)
                        for k, g in flat_grads.items()}
 
-    def step(self, params, grads):
+    def step(self, params: Mapping[str, Array], grads: Mapping[str, Array]) -> None:
         """One AdamW step: updates every ``params[k]`` IN PLACE.
 
         Args:
@@ -333,7 +336,7 @@ class AdamW:
             "exp_avg_sq": {k: v.copy() for k, v in self._exp_avg_sq.items()},
         }
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: Mapping) -> None:
         """Restore a ``state_dict()``: step count, hyperparameters and (copies of) the moments.
 
         Raises:

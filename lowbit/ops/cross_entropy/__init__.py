@@ -22,7 +22,8 @@ import numbers
 import numpy as np
 
 from ... import _backend, _ctx, _dispatch, _validate
-from ..saved_activation import save, saved_policy
+from ..._typing import Array, Scalar
+from ..saved_activation import SavedConfig, save, saved_policy
 
 _INT64 = np.iinfo(np.int64)
 
@@ -99,7 +100,9 @@ def _loss(impl, logits, targets, ignore_index, count):
     return loss.astype(logits.dtype), lse
 
 
-def cross_entropy_forward(logits, targets, *, ignore_index=-100, saved=None):
+def cross_entropy_forward(logits: Array, targets: Array, *, ignore_index: int = -100,
+                          saved: str | SavedConfig | None = None
+                          ) -> tuple[Array, CrossEntropyCtx]:
     """Mean cross-entropy over the last axis, keeping what the backward needs.
 
     Args:
@@ -109,7 +112,7 @@ def cross_entropy_forward(logits, targets, *, ignore_index=-100, saved=None):
             ``ignore_index``.
         ignore_index: target value of rows left out of the sum and of the divisor.
         saved: saved-activation policy for the logits (``None``: exact); the logsumexp and the
-            targets are always kept exact.
+            targets are always kept exact (the logits are unpacked to their dtype).
 
     Returns:
         ``(loss, ctx)``: loss a 0-d array of the logits' dtype on their array module (NaN when
@@ -132,15 +135,17 @@ def cross_entropy_forward(logits, targets, *, ignore_index=-100, saved=None):
     return loss, ctx
 
 
-def cross_entropy(logits, targets, *, ignore_index=-100):
+def cross_entropy(logits: Array, targets: Array, *,
+                  ignore_index: int = -100) -> Array:
     """Inference form of ``cross_entropy_forward``: returns the 0-d ``loss`` only."""
     logits, targets, ignore_index, count = _check_inputs(logits, targets, ignore_index)
     _, impl = _dispatch.resolve("cross_entropy", logits, targets)
     return _loss(impl, logits, targets, ignore_index, count)[0]
 
 
-def _dloss(dloss, like):
-    """``dloss`` as a [1] float64 array on the array module of ``like``."""
+def _dloss(dloss, like, dtype):
+    """``dloss`` as a [1] float64 array on the array module of ``like``; an array ``dloss``
+    must have the loss's ``dtype`` (a Python or NumPy scalar carries no array dtype)."""
     xp = _backend.array_module(like)
     if isinstance(dloss, (bool, np.bool_)):
         raise TypeError("dloss must be a real scalar or a 0-d float array, got a bool")
@@ -154,30 +159,31 @@ def _dloss(dloss, like):
         raise ValueError(f"dloss must be a scalar (a 0-d array, like the loss), got shape "
                          f"{dloss.shape}")
     _validate.floating(dloss, "dloss")
+    _validate.grad_dtype(dloss, dtype, "dloss")
     return dloss.reshape(1).astype(np.float64)
 
 
-def cross_entropy_backward(dloss, ctx):
+def cross_entropy_backward(dloss: Scalar | Array, ctx: CrossEntropyCtx) -> Array:
     """Gradient of ``dloss * loss`` with respect to the logits of the forward in ``ctx``.
 
     Args:
         dloss: the incoming gradient of the loss: a Python or NumPy real scalar, or a 0-d
-            float array on the logits' array module.
+            float array of the loss's dtype on the logits' array module.
         ctx: the ``CrossEntropyCtx`` returned by ``cross_entropy_forward``.
 
     Returns:
-        dlogits: [..., V] of the logits' dtype: ``dloss * (softmax(logits) - onehot(target)) /
-        count`` in counted rows, zero in ignored rows. Bitwise deterministic.
+        dlogits: [..., V] of the logits' dtype (computed in it): ``dloss * (softmax(logits) -
+        onehot(target)) / count`` in counted rows, zero in ignored rows. Bitwise deterministic.
 
     Raises:
         TypeError: ``ctx`` is not a ``CrossEntropyCtx``; ``dloss`` not a real scalar or float
-            array, or of the other array kind.
+            array, an array of another dtype than the loss, or of the other array kind.
         ValueError: ``dloss`` is an array that is not 0-d.
     """
     if not isinstance(ctx, CrossEntropyCtx):
         raise TypeError(f"ctx must be a CrossEntropyCtx, got {type(ctx).__name__}")
     lse, targets = ctx.lse.unpack(), ctx.targets.unpack()
-    dloss = _dloss(dloss, lse)
+    dloss = _dloss(dloss, lse, ctx.dtype)
     logits = ctx.logits.unpack()
     xp = _backend.array_module(logits)
     shape = logits.shape

@@ -19,6 +19,7 @@ import dataclasses
 import numpy as np
 
 from ... import _backend, _ctx, _dispatch, _validate
+from ..._typing import Array
 from ..saved_activation import save
 
 
@@ -96,7 +97,7 @@ def _gather(table, ids):
     return out.reshape(ids.shape + (table.shape[1],))
 
 
-def embedding(table, ids):
+def embedding(table: Array, ids: Array) -> Array:
     """Rows of ``table`` picked by ``ids``: ``out[i] = table[ids[i]]``.
 
     Args:
@@ -105,7 +106,7 @@ def embedding(table, ids):
             ``table``, every value in [0, V).
 
     Returns:
-        out: [*S, D] of the table's dtype, freshly allocated.
+        out: ``[*S, D]`` of the table's dtype, freshly allocated.
 
     Raises:
         TypeError: non-arrays, mixed numpy/cupy, a table that is not float32/float64, ids that are
@@ -117,13 +118,15 @@ def embedding(table, ids):
     return _gather(table, ids)
 
 
-def embedding_forward(table, ids):
+def embedding_forward(table: Array, ids: Array) -> tuple[Array, EmbeddingCtx]:
     """``embedding`` keeping what the backward needs: the ids (exact), the table's shape/dtype.
+
+    No ``saved=`` policy: the only saved tensor is the integer ids, which must stay exact.
 
     Args and Raises: as ``embedding``.
 
     Returns:
-        ``(out, ctx)``: out [*S, D] of the table's dtype; ctx an ``EmbeddingCtx``.
+        ``(out, ctx)``: out ``[*S, D]`` of the table's dtype; ctx an ``EmbeddingCtx``.
     """
     table, ids = _check_inputs(table, ids)
     out = _gather(table, ids)
@@ -131,11 +134,11 @@ def embedding_forward(table, ids):
     return out, ctx
 
 
-def embedding_backward(dout, ctx):
+def embedding_backward(dout: Array, ctx: EmbeddingCtx) -> Array:
     """Gradient of ``sum(dout * out)`` with respect to the table of the forward in ``ctx``.
 
     Args:
-        dout: [*S, D], the dtype and array module of the forward's table.
+        dout: ``[*S, D]``, the dtype and array module of the forward's table.
         ctx: the ``EmbeddingCtx`` returned by ``embedding_forward``.
 
     Returns:
@@ -146,7 +149,7 @@ def embedding_backward(dout, ctx):
     Raises:
         TypeError: ``ctx`` is not an ``EmbeddingCtx``; ``dout`` not an array, of another array
             kind than the ids or of another dtype than the forward's table.
-        ValueError: ``dout`` not shaped [*S, D].
+        ValueError: ``dout`` not shaped ``[*S, D]``.
     """
     if not isinstance(ctx, EmbeddingCtx):
         raise TypeError(f"ctx must be an EmbeddingCtx, got {type(ctx).__name__}")

@@ -10,13 +10,14 @@ add. Reference: ``reference/segmented_attention.py`` (``expand_heads_ref``,
 from __future__ import annotations
 
 from ... import _backend, _validate
+from ..._typing import Array
 
 
 def _split_shape(shape, axis, source_heads, repeat):
     return shape[:axis] + (source_heads, repeat) + shape[axis + 1:]
 
 
-def expand_heads(x, axis, target_heads):
+def expand_heads(x: Array, axis: int, target_heads: int) -> Array:
     """Repeat each head of ``x`` contiguously along ``axis`` up to ``target_heads`` heads.
 
     Args:
@@ -55,8 +56,10 @@ def expand_heads(x, axis, target_heads):
     return out
 
 
-def expand_heads_backward(dy, axis, source_heads):
+def expand_heads_backward(dy: Array, axis: int, source_heads: int) -> Array:
     """Gradient of ``expand_heads``: sum the copies of each source head.
+
+    No ctx: the forward saves nothing, its gradient needs only the axis and the head count.
 
     Args:
         dy: array with ``target_heads`` heads along ``axis``, float dtype.

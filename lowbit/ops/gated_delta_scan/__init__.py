@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from ... import _backend, _ctx, _dispatch, _validate
-from ..saved_activation import save, saved_policy
+from ..._typing import Array
+from ..saved_activation import SavedConfig, save, saved_policy
 
 _OP = "gated_delta_scan"
 
@@ -43,6 +46,8 @@ class GatedDeltaScanCtx(_ctx.Ctx):
         chunk_size: tokens per checkpoint.
         per_key_decay: ``log_decay`` was given as [B, T, H, K].
         has_initial_state: an ``initial_state`` was given (its gradient is returned).
+        dtype: the forward's dtype (of ``out`` and the state; ``dout`` and ``dstate`` must
+            have it).
     """
 
     q: _ctx.Saved
@@ -54,6 +59,7 @@ class GatedDeltaScanCtx(_ctx.Ctx):
     chunk_size: int
     per_key_decay: bool
     has_initial_state: bool
+    dtype: np.dtype
 
 
 def _prepare(q, k, v, log_decay, beta, initial_state, chunk_size):
@@ -95,8 +101,11 @@ def _prepare(q, k, v, log_decay, beta, initial_state, chunk_size):
     return work, state, chunk_size, per_key
 
 
-def gated_delta_scan(q, k, v, log_decay, beta, initial_state=None):
+def gated_delta_scan(q: Array, k: Array, v: Array, log_decay: Array, beta: Array, *,
+                     initial_state: Array | None = None) -> tuple[Array, Array]:
     """Run the gated delta rule over T tokens (inference: nothing is saved).
+
+    Computed in the inputs' dtype (float32 or float64).
 
     Args:
         q, k: [B, T, H, K] float32 or float64 (every input shares the dtype of ``q``).
@@ -106,7 +115,8 @@ def gated_delta_scan(q, k, v, log_decay, beta, initial_state=None):
         initial_state: [B, H, K, V], finite, or None (zeros).
 
     Returns:
-        out: [B, T, H, V]; state: [B, H, K, V], the state after the last token.
+        out: [B, T, H, V]; state: [B, H, K, V], the state after the last token; both of the
+        inputs' dtype.
 
     Raises:
         TypeError: a non-array, a non-float dtype or dtypes that differ from ``q``'s.
@@ -118,13 +128,17 @@ def gated_delta_scan(q, k, v, log_decay, beta, initial_state=None):
     return out, final
 
 
-def gated_delta_scan_forward(q, k, v, log_decay, beta, initial_state=None, *, chunk_size=64,
-                             saved=None):
+def gated_delta_scan_forward(q: Array, k: Array, v: Array, log_decay: Array, beta: Array, *,
+                             initial_state: Array | None = None, chunk_size: int = 64,
+                             saved: str | SavedConfig | None = None
+                             ) -> tuple[Array, Array, GatedDeltaScanCtx]:
     """``gated_delta_scan`` that also returns the ctx of ``gated_delta_scan_backward``.
 
     Args:
-        as ``gated_delta_scan``; chunk_size: tokens between state checkpoints (positive int);
-        saved: saved-activation policy for the inputs (``None`` keeps them exact).
+        q, k, v, log_decay, beta, initial_state: as ``gated_delta_scan``.
+        chunk_size: tokens between state checkpoints (positive int).
+        saved: saved-activation policy for the inputs (``None`` keeps them exact; a packed
+            policy is unpacked to the inputs' dtype in the backward).
 
     Returns:
         out [B, T, H, V], state [B, H, K, V], ctx (``GatedDeltaScanCtx``).
@@ -134,45 +148,58 @@ def gated_delta_scan_forward(q, k, v, log_decay, beta, initial_state=None, *, ch
                                                 chunk_size)
     _, impl = _dispatch.resolve(_OP, *work)
     out, final, checkpoints = impl.forward(*work, state, chunk_size, True)
+    q_s, k_s, v_s, decay_s, beta_s = (save(a, saved) for a in work)
     ctx = GatedDeltaScanCtx(
-        *(save(a, saved) for a in work),
+        q=q_s, k=k_s, v=v_s, log_decay=decay_s, beta=beta_s,
         checkpoints=save(checkpoints, None),
         chunk_size=chunk_size,
         per_key_decay=per_key,
         has_initial_state=initial_state is not None,
+        dtype=out.dtype,
     )
     return out, final, ctx
 
 
-def gated_delta_scan_backward(dout, dstate, ctx):
+def gated_delta_scan_backward(dout: Array, dstate: Array | None, ctx: GatedDeltaScanCtx
+                              ) -> tuple[Array, Array, Array, Array, Array, Array | None]:
     """Gradients of ``gated_delta_scan_forward``'s outputs with respect to its inputs.
 
     Args:
-        dout: [B, T, H, V] gradient of ``out``.
-        dstate: [B, H, K, V] gradient of the final state, or None (zero).
+        dout: [B, T, H, V] gradient of ``out``, of the forward's dtype.
+        dstate: [B, H, K, V] gradient of the final state, of the forward's dtype, or None
+            (zero).
         ctx: the ``GatedDeltaScanCtx`` of the forward.
 
     Returns:
         dq, dk [B, T, H, K]; dv [B, T, H, V]; dlog_decay (the shape ``log_decay`` had);
-        dbeta [B, T, H]; dinitial_state [B, H, K, V] or None when no initial state was given.
+        dbeta [B, T, H]; dinitial_state [B, H, K, V] or None when no initial state was given;
+        all of the forward's dtype (computed in it).
+
+    Raises:
+        TypeError: ``ctx`` not a ``GatedDeltaScanCtx``; ``dout`` or ``dstate`` not an array of
+            the forward's dtype and array kind.
+        ValueError: ``dout`` or ``dstate`` of the wrong shape.
     """
     if not isinstance(ctx, GatedDeltaScanCtx):
         raise TypeError(f"ctx must be a GatedDeltaScanCtx, got {type(ctx).__name__}")
-    q, k, v, log_decay, beta = (s.unpack() for s in (ctx.q, ctx.k, ctx.v, ctx.log_decay,
-                                                    ctx.beta))
     checkpoints = ctx.checkpoints.unpack()
-    nb, nt, nh, nk = q.shape
-    nv = v.shape[3]
-    dout = _validate.floating(_validate.as_array(dout, "dout"), "dout")
+    nb, nh, _, nk, nv = checkpoints.shape
+    nt = ctx.q.shape[1]
+    dout = _validate.as_array(dout, "dout")
+    _validate.grad_dtype(dout, ctx.dtype, "dout")
     _validate.shape(dout, (nb, nt, nh, nv), "dout")
     if dstate is not None:
-        dstate = _validate.floating(_validate.as_array(dstate, "dstate"), "dstate")
+        dstate = _validate.as_array(dstate, "dstate")
+        _validate.grad_dtype(dstate, ctx.dtype, "dstate")
         _validate.shape(dstate, (nb, nh, nk, nv), "dstate")
-    _backend.array_kind(q, dout, dstate)
-    xp = _backend.array_module(q)
-    dout = xp.ascontiguousarray(dout, dtype=q.dtype)
-    dstate = (xp.zeros((nb, nh, nk, nv), q.dtype) if dstate is None
-              else xp.ascontiguousarray(dstate, dtype=q.dtype))
+    _backend.array_kind(checkpoints, dout, dstate)
+    xp = _backend.array_module(checkpoints)
+    # A packed policy unpacks float32; the gradients are computed in the forward's dtype.
+    q, k, v, log_decay, beta = (xp.ascontiguousarray(s.unpack(), dtype=ctx.dtype) for s in
+                                (ctx.q, ctx.k, ctx.v, ctx.log_decay, ctx.beta))
+    dout = xp.ascontiguousarray(dout)
+    dstate = (xp.zeros((nb, nh, nk, nv), ctx.dtype) if dstate is None
+              else xp.ascontiguousarray(dstate))
     _, impl = _dispatch.resolve(_OP, q, dout)
     dq, dk, dv, dlog, dbeta, dinit = impl.backward(
         dout, dstate, q, k, v, log_decay, beta, checkpoints, ctx.chunk_size)

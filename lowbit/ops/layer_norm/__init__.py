@@ -22,7 +22,8 @@ import dataclasses
 
 from ... import _backend, _dispatch, _validate
 from ..._ctx import Ctx, Saved
-from ..saved_activation import save, saved_policy
+from ..._typing import Array
+from ..saved_activation import SavedConfig, save, saved_policy
 
 OP = "layer_norm"
 #: The default epsilon added to the biased variance.
@@ -64,7 +65,7 @@ def _input(x):
     return _backend.array_module(x).ascontiguousarray(x)
 
 
-def layer_norm(x, *, eps=EPS):
+def layer_norm(x: Array, *, eps: float = EPS) -> Array:
     """Normalize every row of the last axis of ``x`` (inference: nothing is saved).
 
     Args:
@@ -85,13 +86,15 @@ def layer_norm(x, *, eps=EPS):
     return y
 
 
-def layer_norm_forward(x, *, eps=EPS, saved=None):
+def layer_norm_forward(x: Array, *, eps: float = EPS, saved: str | SavedConfig | None = None
+                       ) -> tuple[Array, LayerNormCtx]:
     """``layer_norm`` that also returns the ctx of ``layer_norm_backward``.
 
     Args:
         x, eps: as ``layer_norm``.
         saved: saved-activation policy for the normalized output (``None`` keeps it exact; a
-            format string or ``lowbit.SavedConfig``); ``rstd`` is always kept exact.
+            format string or ``lowbit.SavedConfig``, unpacked to x's dtype in the backward);
+            ``rstd`` is always kept exact.
 
     Returns:
         ``(y, ctx)``: y [..., D] of x's dtype, ctx a ``LayerNormCtx``.
@@ -104,7 +107,7 @@ def layer_norm_forward(x, *, eps=EPS, saved=None):
     return y, LayerNormCtx(y=save(y, saved), rstd=save(rstd, None), eps=eps)
 
 
-def layer_norm_backward(dy, ctx):
+def layer_norm_backward(dy: Array, ctx: LayerNormCtx) -> Array:
     """Gradient of ``layer_norm_forward``'s output with respect to its input.
 
     Args:
@@ -112,7 +115,7 @@ def layer_norm_backward(dy, ctx):
         ctx: the ``LayerNormCtx`` of the forward.
 
     Returns:
-        dx [..., D] of the forward's dtype.
+        dx [..., D] of the forward's dtype (computed in it).
 
     Raises:
         TypeError: ``ctx`` is not a ``LayerNormCtx``; ``dy`` is not an array, has another dtype
@@ -139,7 +142,7 @@ def layer_norm_backward(dy, ctx):
     return impl.backward(dy, y, rstd)
 
 
-def normalize(x, eps=EPS):
+def normalize(x: Array, eps: float = EPS) -> tuple[Array, Array, Array]:
     """Unvalidated forward for composite layers: ``(y, mean, rstd)``.
 
     Args:
@@ -153,7 +156,7 @@ def normalize(x, eps=EPS):
     return impl.forward(x, eps)
 
 
-def normalize_backward(dy, y, rstd):
+def normalize_backward(dy: Array, y: Array, rstd: Array) -> Array:
     """Unvalidated backward for composite layers: the input gradient [..., D].
 
     Args:

@@ -53,13 +53,15 @@ saved ``[B, T, D]`` tensors ``current`` and ``mlp`` do not, nor ``a`` where it i
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
 from ... import _backend, _dispatch, _validate
 from ..._ctx import Ctx
+from ..._typing import Array
 from ..quantize import ACT_FORMATS as _ACT_QMAX, WEIGHT_FORMATS as _WEIGHT_BITS, PackedWeight
-from ..saved_activation import saved_policy
+from ..saved_activation import SavedConfig, saved_policy
 from . import _layer, _layer_backward
 from ._pattern import BlockPattern, latent_pattern as _latent_pattern  # noqa: F401 (public)
 
@@ -105,7 +107,7 @@ class LowBitPlan:
             object.__setattr__(self, name, (weight, act))
 
     @classmethod
-    def uniform(cls, weight=None, act=None) -> "LowBitPlan":
+    def uniform(cls, weight: str | None = None, act: str | None = None) -> LowBitPlan:
         """The same formats on every projection, e.g. ``LowBitPlan.uniform("ternary", "int8")``."""
         return cls(x=(weight, act), y=(weight, act), residual=(weight, act))
 
@@ -119,7 +121,8 @@ class LowrankResidualCtx(Ctx):
     """What ``lowrank_residual_backward`` needs. Saved tensors are ``lowbit._ctx.Saved``.
 
     Weights are plain fields (the caller holds them; not counted in ``nbytes``); ``packed`` holds
-    their quantized forms per projection.
+    their quantized forms per projection. ``dtype`` is that of ``next`` (``dnext`` must have
+    it), ``dtypes`` those of ``current`` and the three weights (those of their gradients).
     """
 
     shape: tuple  # (B, T, D, H, N)
@@ -149,6 +152,8 @@ class LowrankResidualCtx(Ctx):
     out_mean: object
     out_rstd: object
     resid_scale: object  # [B * T] row scales of Qa(y_neuron), or None
+    dtype: np.dtype
+    dtypes: tuple  # of current, encoder, encoder_v, decoder
 
 
 # -- validation ----------------------------------------------------------------------------------
@@ -208,11 +213,17 @@ def _check(current, encoder, encoder_v, decoder, attention, lengths, plan, saved
     if seed >= 2**32:
         raise ValueError(f"seed must be below 2**32, got {seed}")
     row_offset = _validate.integer(row_offset, "row_offset", minimum=0)
+    if dropout == 0.0:  # seed and row_offset only place the dropout masks
+        for name, value in (("seed", seed), ("row_offset", row_offset)):
+            if value:
+                raise ValueError(f"{name}={value} has no effect with dropout=0 (it only places "
+                                 f"the dropout masks); leave {name} at 0")
     return (current, encoder, encoder_v, decoder, attention, lengths, plan, saved,
             relu_threshold, dropout, seed, row_offset)
 
 
-def quantize_layer_weights(encoder, encoder_v, decoder, plan):
+def quantize_layer_weights(encoder: Array, encoder_v: Array, decoder: Array,
+                           plan: LowBitPlan) -> dict:
     """The quantized forms of the layer's weights under ``plan``, for ``packed=``.
 
     Returns:
@@ -264,15 +275,22 @@ def _finite_weights(packed, encoder, encoder_v, decoder):
 
 # -- the op ---------------------------------------------------------------------------------------
 
-def lowrank_residual_forward(current, encoder, encoder_v, decoder, *, attention="causal_linear",
-                             lengths=None, plan=None, saved=None, relu_threshold=0.0, dropout=0.0,
-                             seed=0, row_offset=0, packed=None, latent_pattern=None):
+def lowrank_residual_forward(current: Array, encoder: Array, encoder_v: Array, decoder: Array, *,
+                             attention: str = "causal_linear", lengths: Sequence[int] | None = None,
+                             plan: LowBitPlan | None = None,
+                             saved: str | SavedConfig | None = None, relu_threshold: float = 0.0,
+                             dropout: float = 0.0, seed: int = 0, row_offset: int = 0,
+                             packed: dict | None = None, latent_pattern: BlockPattern | None = None
+                             ) -> tuple[Array, LowrankResidualCtx]:
     """Forward of the BDH low-rank residual layer, keeping what the backward needs.
 
+    Precision: computed in float32 whatever the inputs' dtype (float64 inputs are rounded to
+    float32); ``next`` is returned in the dtype NumPy would give (float64 if any input is).
+
     Args:
-        current: [B, T, D] float32 (float64 is computed in float32).
-        encoder, encoder_v: [H, D, N] float32.
-        decoder: [H * N, D] float32.
+        current: [B, T, D] float32 or float64.
+        encoder, encoder_v: [H, D, N] float32 or float64.
+        decoder: [H * N, D] float32 or float64.
         attention: ``"causal_linear"`` (BDH's: rotary positions, strictly causal, no softmax) or
             ``"segmented"`` (causal softmax through ``lowbit.segmented_attention``, scale
             ``1 / sqrt(N)``).
@@ -282,10 +300,11 @@ def lowrank_residual_forward(current, encoder, encoder_v, decoder, *, attention=
             ``"sparse"`` or a ``SavedConfig``); None keeps every saved tensor exact.
         relu_threshold: subtracted before both ReLUs (sets the neuron density).
         dropout: inverted-dropout probability on ``y_neuron``, in [0, 1).
-        seed: dropout seed (the mask is a hash of (seed, element index); nothing is saved).
+        seed: dropout seed (the mask is a hash of (seed, element index); nothing is saved);
+            must be 0 with ``dropout=0``.
         row_offset: global index of batch row 0: row ``b`` hashes its dropout mask as row
             ``row_offset + b`` of a larger batch (data-parallel ranks holding a slice of one
-            global batch draw the masks of the one-process run).
+            global batch draw the masks of the one-process run); must be 0 with ``dropout=0``.
         packed: the weights' quantized forms under ``plan``, from ``quantize_layer_weights``
             (None: quantized here). A caller that applies one set of weights several times
             (BDH's levels) quantizes them once; they must be those of these very weights.
@@ -295,7 +314,8 @@ def lowrank_residual_forward(current, encoder, encoder_v, decoder, *, attention=
             columns and ``decoder`` rows stay zero); they are neither computed nor saved.
 
     Returns:
-        ``(next, ctx)``: next [B, T, D] float32 and a ``LowrankResidualCtx``.
+        ``(next, ctx)``: next [B, T, D] of ``result_type`` of the inputs and a
+        ``LowrankResidualCtx``.
 
     Raises:
         TypeError, ValueError: bad arguments (the message names the argument).
@@ -304,9 +324,12 @@ def lowrank_residual_forward(current, encoder, encoder_v, decoder, *, attention=
                     relu_threshold, dropout, seed, row_offset, packed, latent_pattern, keep=True)
 
 
-def lowrank_residual(current, encoder, encoder_v, decoder, *, attention="causal_linear",
-                     lengths=None, plan=None, relu_threshold=0.0, dropout=0.0, seed=0,
-                     row_offset=0, packed=None, latent_pattern=None):
+def lowrank_residual(current: Array, encoder: Array, encoder_v: Array, decoder: Array, *,
+                     attention: str = "causal_linear", lengths: Sequence[int] | None = None,
+                     plan: LowBitPlan | None = None, relu_threshold: float = 0.0,
+                     dropout: float = 0.0, seed: int = 0, row_offset: int = 0,
+                     packed: dict | None = None,
+                     latent_pattern: BlockPattern | None = None) -> Array:
     """Inference form of ``lowrank_residual_forward``: returns ``next`` and saves nothing."""
     return _forward(current, encoder, encoder_v, decoder, attention, lengths, plan, None,
                     relu_threshold, dropout, seed, row_offset, packed, latent_pattern,
@@ -323,6 +346,8 @@ def _forward(current, encoder, encoder_v, decoder, attention, lengths, plan, sav
     _finite_weights(packed, encoder, encoder_v, decoder)
     latent = _latent_pattern(pattern, encoder.shape[0], encoder.shape[2], attention)
     name, impl = _dispatch.resolve(OP, current, encoder, encoder_v, decoder)
+    dtypes = tuple(a.dtype for a in (current, encoder, encoder_v, decoder))
+    dtype = np.result_type(*dtypes)
     f32 = lambda a: a.astype(np.float32, copy=False)  # noqa: E731
     current, encoder, encoder_v, decoder = map(f32, (current, encoder, encoder_v, decoder))
     # Numba's parallel kernels take the cores between the BLAS calls of the projections.
@@ -330,57 +355,79 @@ def _forward(current, encoder, encoder_v, decoder, attention, lengths, plan, sav
         out, fields = _layer.forward(impl, current, encoder, encoder_v, decoder, attention,
                                      lengths, plan, saved, relu_threshold, dropout, seed,
                                      row_offset, keep, packed, latent)
+    out = out.astype(dtype, copy=False)
     if not keep:
         return out, None
     ctx = LowrankResidualCtx(
         shape=(*current.shape, encoder.shape[0], encoder.shape[2]), attention=attention,
         lengths=lengths, plan=plan, relu_threshold=relu_threshold, dropout=dropout, seed=seed,
-        row_offset=row_offset, encoder=encoder, encoder_v=encoder_v, decoder=decoder, **fields)
+        row_offset=row_offset, encoder=encoder, encoder_v=encoder_v, decoder=decoder, **fields,
+        dtype=dtype, dtypes=dtypes)
     return out, ctx
 
 
-def lowrank_residual_backward(dnext, ctx, *, accumulate=None):
+def lowrank_residual_backward(dnext: Array, ctx: LowrankResidualCtx, *,
+                              accumulate: tuple[Array, Array, Array] | None = None
+                              ) -> tuple[Array, Array, Array, Array]:
     """Backward of ``lowrank_residual_forward``.
 
+    Precision: computed in float32 like the forward; the gradients are returned in the dtypes
+    of the inputs they belong to.
+
     Args:
-        dnext: [B, T, D] gradient of ``next``.
+        dnext: [B, T, D] gradient of ``next``, of its dtype.
         ctx: the ``LowrankResidualCtx`` of the forward (read, never changed).
-        accumulate: optional ``(dencoder, dencoder_v, ddecoder)`` float32 arrays shaped like the
-            weights; the weight gradients are added into them in place and they are returned
-            (BDH applies one layer several times with shared weights: this sums the gradients
-            of every application without a second set of gradient buffers). None (default):
-            fresh arrays.
+        accumulate: optional ``(dencoder, dencoder_v, ddecoder)`` arrays shaped like the weights,
+            each of its weight's dtype; the weight gradients are added into them in place and
+            they are returned (BDH applies one layer several times with shared weights: this
+            sums the gradients of every application without a second set of gradient buffers).
+            None (default): fresh arrays.
 
     Returns:
-        ``(dcurrent, dencoder, dencoder_v, ddecoder)``: float32, shaped like the inputs.
-        Quantizers pass gradients straight through (``dx = dy @ Qw(w).T``,
+        ``(dcurrent, dencoder, dencoder_v, ddecoder)``: shaped like the inputs, each of its
+        input's dtype. Quantizers pass gradients straight through (``dx = dy @ Qw(w).T``,
         ``dw = Qa(x).T @ dy``).
+
+    Raises:
+        TypeError: ``ctx`` not a ``LowrankResidualCtx``; ``dnext`` not an array of the forward
+            output's dtype; ``accumulate`` not a triple.
+        ValueError: a shape that disagrees, a non-finite ``dnext``, ``accumulate`` buffers of
+            another shape or dtype.
     """
     if not isinstance(ctx, LowrankResidualCtx):
         raise TypeError(f"ctx must be the LowrankResidualCtx of lowrank_residual_forward, got "
                         f"{type(ctx).__name__}")
-    dnext = _validate.floating(_validate.as_array(dnext, "dnext"), "dnext")
+    dnext = _validate.as_array(dnext, "dnext")
+    _validate.grad_dtype(dnext, ctx.dtype, "dnext")
     B, T, D, H, N = ctx.shape
     _validate.shape(dnext, (B, T, D), "dnext", "the forward output's")
     _validate.all_finite(dnext, "dnext")
     name, impl = _dispatch.resolve(OP, dnext, ctx.encoder)
     xp = _backend.array_module(dnext)
-    grads = _accumulators(accumulate, (H, D, N), (H * N, D), xp)
+    held = _accumulators(accumulate, (H, D, N), (H * N, D), ctx.dtypes[1:], xp)
+    # The kernels add float32 gradients: into the caller's buffers when those are float32.
+    grads = tuple(g if g.dtype == np.float32 else xp.zeros(g.shape, np.float32) for g in held)
     with _backend.single_threaded_blas(name == "numba"):
-        return _layer_backward.backward(impl, dnext.astype(np.float32, copy=False), ctx, grads)
+        dcurrent, *dweights = _layer_backward.backward(impl, dnext.astype(np.float32, copy=False),
+                                                       ctx, grads)
+    for buffer, g in zip(held, dweights):
+        if buffer is not g:
+            buffer += g
+    return (dcurrent.astype(ctx.dtypes[0], copy=False), *held)
 
 
-def _accumulators(accumulate, enc_shape, dec_shape, xp):
-    """Zeroed gradient buffers, or the caller's ``accumulate`` arrays after checking them."""
+def _accumulators(accumulate, enc_shape, dec_shape, dtypes, xp):
+    """Zeroed gradient buffers of the weights' dtypes, or the caller's ``accumulate`` arrays
+    after checking them."""
+    shapes = (enc_shape, enc_shape, dec_shape)
     if accumulate is None:
-        return (xp.zeros(enc_shape, np.float32), xp.zeros(enc_shape, np.float32),
-                xp.zeros(dec_shape, np.float32))
+        return tuple(xp.zeros(shape, dtype) for shape, dtype in zip(shapes, dtypes))
     if not isinstance(accumulate, (tuple, list)) or len(accumulate) != 3:
         raise TypeError("accumulate must be a tuple (dencoder, dencoder_v, ddecoder) or None")
-    for name, a, shape in zip(("dencoder", "dencoder_v", "ddecoder"), accumulate,
-                              (enc_shape, enc_shape, dec_shape)):
+    for name, a, shape, dtype in zip(("dencoder", "dencoder_v", "ddecoder"), accumulate, shapes,
+                                     dtypes):
         _validate.as_array(a, f"accumulate {name}")
-        if tuple(a.shape) != shape or a.dtype != np.float32:
-            raise ValueError(f"accumulate {name} must be float32 of shape {shape}, got "
-                             f"{a.dtype} {tuple(a.shape)}")
+        if tuple(a.shape) != shape or a.dtype != dtype:
+            raise ValueError(f"accumulate {name} must be {np.dtype(dtype).name} of shape "
+                             f"{shape} (its weight's dtype), got {a.dtype} {tuple(a.shape)}")
     return tuple(accumulate)

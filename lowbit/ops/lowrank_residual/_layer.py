@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import numpy as np
 
@@ -108,7 +109,7 @@ def _dropout_scale(shape, h, H, p, seed, row_offset, xp, rows=slice(None), laten
 
 def quantize_weights(plan, encoder, encoder_v, decoder):
     """Quantized forms of the weights the plan asks for: {name: PackedWeight or list}."""
-    packed = {}
+    packed: dict[str, Any] = {}
     wx, wy, wr = plan.x[0], plan.y[0], plan.residual[0]
     if wx is not None:
         packed["encoder"] = [quantize_weight(encoder[h], wx) for h in range(encoder.shape[0])]
@@ -130,7 +131,7 @@ def _project(x, q, w, pw):
     if q is None:
         y, _, _ = straight_through_forward(x, w, pw, None)
     else:
-        y = straight_through_codes(*q, w, pw)
+        y = straight_through_codes(q[0], q[1], w, pw)
     return y.reshape(x.shape[:-1] + ((w if pw is None else pw).shape[1],))
 
 
@@ -264,11 +265,12 @@ def forward(impl, current, encoder, encoder_v, decoder, attention, lengths, plan
     # buffer of the decoder's input: pass one takes each token's max over the heads (the scale
     # of Qa(y_neuron)), pass two quantizes each head's share with it.
     two_pass = recompute_x and recompute_y and plan.residual[1] is not None
-    mlp = xp.zeros((B, T, D), np.float32) if not flat_residual else None
-    flat = (_backend.empty((B, T, int(offsets[-1])), np.float32, xp)
+    mlp: Any = xp.zeros((B, T, D), np.float32) if not flat_residual else None
+    flat: Any = (_backend.empty((B, T, int(offsets[-1])), np.float32, xp)
             if flat_residual and not two_pass else None)
-    tops = xp.zeros((B * T, H), np.float32) if two_pass else None
-    saved_x, saved_y, saved_a, saved_am, saved_ar, saved_ac = ([None] * H for _ in range(6))
+    tops: Any = xp.zeros((B * T, H), np.float32) if two_pass else None
+    per_head: list[list[Any]] = [[None] * H for _ in range(6)]
+    saved_x, saved_y, saved_a, saved_am, saved_ar, saved_ac = per_head
     with stage("x projection"):
         qx = _codes(current, plan.x[1])  # once for every head
     for h, w in enumerate(heads):
@@ -352,7 +354,7 @@ def _decoder_flat(flat, decoder, pw, act, D, xp):
     if not F:
         mlp.fill(0)
     rows, out_rows = flat.reshape(B * T, F), mlp.reshape(B * T, D)
-    scale = _backend.empty((B * T,), np.float32, xp) if act is not None else None
+    scale: Any = _backend.empty((B * T,), np.float32, xp) if act is not None else None
     for r0 in range(0, B * T, RESIDUAL_ROW_BLOCK if F else B * T):
         r = slice(r0, r0 + RESIDUAL_ROW_BLOCK)
         q = _codes(rows[r], act)
@@ -381,8 +383,8 @@ def _decoder_recomputed(current, qx, heads, head_codes, offsets, decoder, pw, to
         if not w.width:
             continue
         y_neuron = _relu(_project(current, qx, w.encoder, w.pwx), thr, xp)
-        y_neuron *= _relu(straight_through_codes(*qa, w.encoder_v, w.pwy), thr, xp).reshape(
-            y_neuron.shape)
+        y_gate = straight_through_codes(qa[0], qa[1], w.encoder_v, w.pwy)
+        y_neuron *= _relu(y_gate, thr, xp).reshape(y_neuron.shape)
         if dropout > 0:
             _apply_dropout(y_neuron, h, H, N, dropout, seed, row_offset, xp, w.latent)
         codes[:, offsets[h]:offsets[h + 1]] = row_codes(y_neuron.reshape(B * T, -1), scale,

@@ -9,6 +9,7 @@ decoder rows); reference ``reference/lowrank_residual.py``. Array-generic (numpy
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 
@@ -80,7 +81,7 @@ def backward(impl, dnext, ctx, grads):
         dmlp = normalize_backward(dcurrent, m_hat, ctx.mlp_rstd.unpack())
         del m_hat
     act = plan.residual[1]
-    row_scale = ctx.resid_scale.unpack() if act is not None else None
+    row_scale: Any = ctx.resid_scale.unpack() if act is not None else None
     pw_dec = ctx.packed.get("decoder")
     chunk = max(1, BACKWARD_ROW_TOKENS // T)
     for h in range(H):
@@ -200,8 +201,8 @@ class _HeadInputs:
         """[b, T, n] ``x_neuron`` of batch rows ``rows`` (n: the head's active neurons)."""
         if self.x_all is not None:
             return self.x_all[rows]
-        y = straight_through_codes(*_row_slice(self.qx, rows, self.T), self.w.encoder,
-                                   self.w.pwx)
+        codes, scale = _row_slice(self.qx, rows, self.T)
+        y = straight_through_codes(codes, scale, self.w.encoder, self.w.pwx)
         return _relu(y, self.thr, self.xp).reshape(-1, self.T, self.w.width)
 
     def y_gate(self, rows, a):

@@ -30,6 +30,8 @@ class BlockPattern:
     """
 
     __slots__ = ("block_size", "_active")
+    block_size: int
+    _active: np.ndarray | None
 
     def __init__(self, block_size, active=None):
         block_size = _validate.integer(block_size, "block_size", minimum=1)

@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from ... import _backend, _dispatch, _kernels, _validate
+from ..._typing import Array
 
 #: Bit widths that divide a byte.
 BITS = (1, 2, 4, 8)
@@ -29,7 +30,7 @@ def packed_length(count: int, bits: int) -> int:
     return -(-count // per)
 
 
-def pack_bits(codes, bits, axis=-1):
+def pack_bits(codes: Array, bits: int, *, axis: int = -1) -> Array:
     """Pack codes below ``2**bits`` LSB-first into bytes along ``axis``.
 
     Args:
@@ -63,7 +64,7 @@ def pack_bits(codes, bits, axis=-1):
     return pack_codes(codes, bits, ax)
 
 
-def pack_codes(codes, bits: int, axis: int = -1):
+def pack_codes(codes: Array, bits: int, axis: int = -1) -> Array:
     """``pack_bits`` without its checks, for codes in range by construction (a kernel's output):
     ``codes`` an integer array, ``bits`` in ``BITS``, ``axis`` a valid axis."""
     xp = _backend.array_module(codes)
@@ -78,7 +79,7 @@ def pack_codes(codes, bits: int, axis: int = -1):
     return xp.moveaxis(packed, -1, ax)
 
 
-def unpack_bits(packed, bits, count, axis=-1):
+def unpack_bits(packed: Array, bits: int, count: int, *, axis: int = -1) -> Array:
     """Inverse of ``pack_bits``: the first ``count`` codes along ``axis``, as uint8.
 
     Raises:

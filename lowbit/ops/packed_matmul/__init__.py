@@ -15,14 +15,14 @@ import dataclasses
 import numpy as np
 
 from ... import _backend, _ctx, _dispatch, _validate
-from ..quantize import (PackedWeight, _rows, _weight_input, act_format as _act_format,
-                        checked_packed, quantize_rows, quantize_weight,
-                        weight_format as _weight_format)
-from ..saved_activation import save, saved_policy
+from ..._typing import Array
+from ..quantize import (PackedWeight, _rows, _weight_input, check_act_format, checked_packed,
+                        check_weight_format, quantize_rows, quantize_weight)
+from ..saved_activation import SavedConfig, save, saved_policy
 
 
-def _optional_act(format):
-    return None if format is None else _act_format(format)
+def _optional_act(act_format):
+    return None if act_format is None else check_act_format(act_format)
 
 
 def _packed(pw):
@@ -43,19 +43,23 @@ def _float32_rows(x):
     return xp.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=np.float32)
 
 
-def packed_matmul(x, pw, act_format="int8"):
-    """``y = Qa(x) @ W`` with ``W`` the dequantized packed weight.
+def packed_matmul(x: Array, pw: PackedWeight, act_format: str | None = "int8") -> Array:
+    """``y = Qa(x) @ W`` with ``W`` the dequantized packed weight: the inference form of
+    ``linear_forward`` (quantize the weight once with ``lowbit.quantize_weight``).
+
+    Precision: the kernels compute in float32 whatever the dtype of ``x``; a float64 ``x``
+    gives a float64 ``y`` holding those float32 values.
 
     Args:
         x: [..., K] float32 or float64 (numpy or cupy, the kind of ``pw.data``).
-        pw: ``lowbit.PackedWeight`` of shape (K, N).
+        pw: ``lowbit.PackedWeight`` of shape (K, N) (in x out).
         act_format: "int8"/"int4": the rows of ``x`` are quantized
             (``lowbit.quantize_activation``), ``acc = codes_x @ codes_w`` is exact in int32 and
             ``y = acc * scale_x[..., None] * scale_w`` in float32; None: ``y = (x @ codes_w) *
             scale_w`` with float32 accumulation.
 
     Returns:
-        [..., N] float32.
+        [..., N] of ``x``'s dtype.
 
     Raises:
         TypeError: ``x`` not a float array, ``pw`` not a PackedWeight, numpy/cupy mixed.
@@ -67,7 +71,7 @@ def packed_matmul(x, pw, act_format="int8"):
     _matching_k(x, pw.shape[0], "x", "pw")
     _backend.array_kind(x, pw.data)
     y, _, _ = _forward(x, pw, act)
-    return y.reshape(x.shape[:-1] + (pw.shape[1],))
+    return y.reshape(x.shape[:-1] + (pw.shape[1],)).astype(x.dtype, copy=False)
 
 
 def _forward(x, pw, act):
@@ -213,70 +217,97 @@ class LinearCtx(_ctx.Ctx):
     Attributes:
         weight_format, act_format: the formats of the forward (either may be None).
         x_shape: shape of the forward input ``x`` [..., K].
-        weight: the float master weight [K, N] as float32 (a parameter: not counted).
+        weight: the float master weight [K, N] in the compute dtype (float32; float64 for an
+            unquantized layer with a float64 input; a parameter: not counted).
         packed: its ``PackedWeight`` (None when ``weight_format`` is None; not counted).
         act_codes, act_scale: with an activation format, the int8 codes [M, K] and float32 row
             scales [M] the forward used, saved exactly.
-        act: without one, the float32 input [M, K], saved through the ``saved`` policy.
+        act: without one, the input [M, K] in the compute dtype, saved through the ``saved``
+            policy.
+        dtype: the dtype of the forward output ``y`` (``dy`` must have it).
+        x_dtype, w_dtype: the dtypes of ``x`` and ``w`` (those of ``dx`` and ``dw``).
     """
 
     weight_format: str | None
     act_format: str | None
     x_shape: tuple
-    weight: object
+    weight: Array
     packed: PackedWeight | None
     act_codes: _ctx.Saved | None
     act_scale: _ctx.Saved | None
     act: _ctx.Saved | None
+    dtype: np.dtype
+    x_dtype: np.dtype
+    w_dtype: np.dtype
 
 
-def linear_forward(x, w, weight_format, act_format="int8", *, saved=None):
+def linear_forward(x: Array, w: Array, weight_format: str | None,
+                   act_format: str | None = "int8", *,
+                   saved: str | SavedConfig | None = None) -> tuple[Array, LinearCtx]:
     """Forward of a quantization-aware linear layer: ``y = Qa(x) @ Qw(w)``.
 
     Q quantizes then dequantizes (``None``: no quantization on that side); the product runs in the
-    packed kernels of ``packed_matmul``.
+    packed kernels of ``packed_matmul``. The weight layout is ``(K, N)`` = (in features, out
+    features), ``y = x @ w``: the transpose of ``torch.nn.Linear.weight``.
+
+    Precision: with a weight or an activation format the products run in float32 (exact int32
+    sums of codes with an activation format); with neither, in the dtype ``y`` gets (float64
+    when ``x`` or ``w`` is float64). ``y`` has the dtype NumPy's ``x @ w`` would have.
 
     Args:
         x: [..., K] float32 or float64.
         w: [K, N] float32 or float64 master weight.
         weight_format: "ternary", "sign", "int8" or None.
         act_format: "int8", "int4" or None.
-        saved: how the float input is saved when ``act_format`` is None (None: exact; a format
-            or ``lowbit.SavedConfig``: through the saved-activation packer). With an activation
-            format the int8 codes and row scales are saved exactly (a quarter of fp32).
+        saved: how the input is saved when ``act_format`` is None (None: exact; a format or
+            ``lowbit.SavedConfig``: through the saved-activation packer). With an activation
+            format the int8 codes and row scales are what the backward needs and they are saved
+            exactly (a quarter of fp32), so ``saved`` must then be None.
 
     Returns:
-        ``(y, ctx)``: y [..., N] float32 and a ``LinearCtx``.
+        ``(y, ctx)``: y [..., N] of ``result_type(x, w)`` and a ``LinearCtx``.
 
     Raises:
-        TypeError / ValueError: bad arrays, formats or non-finite input, naming the argument.
+        TypeError / ValueError: bad arrays, formats or non-finite input, naming the argument;
+            ValueError naming ``saved`` when it is given together with an ``act_format``.
     """
     saved = saved_policy(saved)  # first: a bad policy raises before any kernel
     x = _rows(x, "x")
     w = _weight_input(w, "w")
-    wf = None if weight_format is None else _weight_format(weight_format, "weight_format")
+    wf = None if weight_format is None else check_weight_format(weight_format)
     act = _optional_act(act_format)
+    if saved is not None and act is not None:
+        raise ValueError(f"saved must be None with act_format={act!r}: the backward takes the "
+                         f"int8 activation codes, which are saved exactly; saved= applies to "
+                         f"the float input of act_format=None")
     _matching_k(x, w.shape[0], "x", "w")
     xp = _backend.array_module(x, w)
     K, N = w.shape
-    w32 = xp.ascontiguousarray(w, dtype=np.float32)
+    dtype = np.result_type(x.dtype, w.dtype)
+    exact64 = wf is None and act is None and dtype == np.float64
+    w_c = xp.ascontiguousarray(w, dtype=np.float64 if exact64 else np.float32)
     if wf is None:  # quantize_weight checks a weight it packs (its scale carries any NaN/inf)
-        _validate.all_finite(w32, "w")
+        _validate.all_finite(w_c, "w")
     pw = quantize_weight(w, wf) if wf is not None else None
-    y, codes, scale = straight_through_forward(x, w32, pw, act)
-    act_saved = None
-    if act is None:
-        act_saved = save(_float32_rows(x), saved, kind="values")
+    if exact64:
+        _validate.all_finite(x, "x")
+        rows = xp.ascontiguousarray(x.reshape(-1, K), dtype=np.float64)
+        y, codes, scale = rows @ w_c, None, None
+    else:
+        y, codes, scale = straight_through_forward(x, w_c, pw, act)
+        rows = _float32_rows(x) if act is None else None
     ctx = LinearCtx(
-        weight_format=wf, act_format=act, x_shape=tuple(x.shape), weight=w32, packed=pw,
+        weight_format=wf, act_format=act, x_shape=tuple(x.shape), weight=w_c, packed=pw,
         act_codes=None if codes is None else save(codes, None),
         act_scale=None if scale is None else save(scale, None),
-        act=act_saved,
+        act=None if rows is None else save(rows, saved, kind="values"),
+        dtype=dtype, x_dtype=x.dtype, w_dtype=w.dtype,
     )
-    return y.reshape(x.shape[:-1] + (N,)), ctx
+    return y.reshape(x.shape[:-1] + (N,)).astype(dtype, copy=False), ctx
 
 
-def linear_backward(dy, ctx, *, grad_format=None):
+def linear_backward(dy: Array, ctx: LinearCtx, *,
+                    grad_format: str | None = None) -> tuple[Array, Array]:
     """Straight-through backward of ``linear_forward``.
 
     ``dx = dy @ Qw(w).T`` from the packed weight: for ternary and sign a signed sum of ``dy``
@@ -293,16 +324,19 @@ def linear_backward(dy, ctx, *, grad_format=None):
     its sum (``reference/packed_matmul.py``'s ``linear_bwd_int8_ref`` spells it out). An
     approximation of the exact gradients (``bench/matmul.py`` reports their cosine).
 
+    Precision: that of the forward (float32 products for a quantized layer, the output dtype
+    for an unquantized one); ``dx`` and ``dw`` are returned in the dtypes of ``x`` and ``w``.
+
     Args:
-        dy: [..., N] float32 or float64, the shape of the forward output.
+        dy: [..., N], the shape and dtype of the forward output.
         ctx: the ``LinearCtx`` from ``linear_forward``.
         grad_format: None (exact float32 products) or "int8".
 
     Returns:
-        ``(dx, dw)``: dx float32 of ``x``'s shape, dw [K, N] float32.
+        ``(dx, dw)``: dx of ``x``'s shape and dtype, dw [K, N] of ``w``'s dtype.
 
     Raises:
-        TypeError: ``ctx`` not a LinearCtx, ``dy`` not a float array.
+        TypeError: ``ctx`` not a LinearCtx, ``dy`` not an array of the forward output's dtype.
         ValueError: ``dy`` of the wrong shape, an unknown ``grad_format`` or one the ctx's formats
             cannot take, a non-finite ``dy`` with ``grad_format``.
     """
@@ -313,14 +347,22 @@ def linear_backward(dy, ctx, *, grad_format=None):
                                ctx.packed is not None and ctx.act_format is not None)
     dy = _validate.as_array(dy, "dy")
     _validate.floating(dy, "dy")
+    _validate.grad_dtype(dy, ctx.dtype, "dy")
     K, N = ctx.weight.shape
     expected = ctx.x_shape[:-1] + (N,)
     _validate.shape(dy, expected, "dy", "the forward output's")
-    if ctx.act_format is not None:
+    xp = _backend.array_module(dy, ctx.weight)
+    if ctx.act_codes is not None and ctx.act_scale is not None:  # an activation format
         a, scale_a = ctx.act_codes.unpack(), ctx.act_scale.unpack()
-    else:
-        xp = _backend.array_module(dy, ctx.weight)
-        a = xp.ascontiguousarray(ctx.act.unpack().reshape(-1, K), dtype=np.float32)
+    elif ctx.act is not None:
+        a = xp.ascontiguousarray(ctx.act.unpack().reshape(-1, K), dtype=ctx.weight.dtype)
         scale_a = None
-    dx, dw = straight_through_backward(dy, ctx.weight, ctx.packed, a, scale_a, grad_format)
-    return dx.reshape(ctx.x_shape), dw
+    else:  # pragma: no cover - linear_forward always saves one of them
+        raise TypeError("ctx holds neither activation codes nor the input")
+    if ctx.weight.dtype == np.float64:  # the unquantized float64 layer: float64 products
+        g = xp.ascontiguousarray(dy.reshape(-1, N))
+        dx, dw = g @ ctx.weight.T, a.T @ g
+    else:
+        dx, dw = straight_through_backward(dy, ctx.weight, ctx.packed, a, scale_a, grad_format)
+    return (dx.reshape(ctx.x_shape).astype(ctx.x_dtype, copy=False),
+            dw.astype(ctx.w_dtype, copy=False))

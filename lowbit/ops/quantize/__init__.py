@@ -6,8 +6,9 @@ layout through ``lowbit.pack_bits``; reference ``reference/quantize.py``; tests
 ``tests/test_quantize.py``. The packed matmul that consumes these lives in
 ``lowbit/ops/packed_matmul``.
 
-Formats (issue 3, DESIGN.md): a scale is the dequantization step (value = code x scale), codes
-are rounded half to even from quotients formed in the input's dtype, scale floors use 1e-5.
+Formats (docs/ops.rst and docs/architecture.rst): a scale is the dequantization step
+(value = code x scale), codes are rounded half to even from quotients formed in the input's
+dtype, scale floors use 1e-5.
 
 - ``"ternary"`` (BitNet b1.58): ``scale = max(mean|w|, 1e-5)``, ``code = clip(rint(w / scale),
   -1, 1)``, stored as ``code + 1`` in 2 bits, 4 codes a byte.
@@ -26,6 +27,7 @@ import dataclasses
 import numpy as np
 
 from ... import _backend, _dispatch, _kernels, _validate
+from ..._typing import Array
 from ..pack_bits import pack_codes, packed_length
 
 #: Weight formats and the bits each stored code takes.
@@ -38,23 +40,27 @@ ACT_FORMATS = {"int8": 127, "int4": 7}
 EPS = 1e-5
 
 
-def weight_format(format, name="format") -> str:
+def check_weight_format(value, name: str = "weight_format") -> str:
     """Validate a weight format string (``None`` is not accepted here)."""
-    if not isinstance(format, str) or format not in WEIGHT_FORMATS:
-        raise ValueError(f"{name} must be one of {tuple(WEIGHT_FORMATS)}, got {format!r}")
-    return format
+    if not isinstance(value, str) or value not in WEIGHT_FORMATS:
+        raise ValueError(f"{name} must be one of {tuple(WEIGHT_FORMATS)}, got {value!r}")
+    return value
 
 
-def act_format(format, name="act_format") -> str:
+def check_act_format(value, name: str = "act_format") -> str:
     """Validate an activation format string (``None`` is not accepted here)."""
-    if not isinstance(format, str) or format not in ACT_FORMATS:
-        raise ValueError(f"{name} must be one of {tuple(ACT_FORMATS)}, got {format!r}")
-    return format
+    if not isinstance(value, str) or value not in ACT_FORMATS:
+        raise ValueError(f"{name} must be one of {tuple(ACT_FORMATS)}, got {value!r}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
     """A weight matrix ``W`` of shape ``(K, N)`` in a low-bit format.
+
+    Layout: ``(K, N)`` is (in features, out features), so that ``y = x @ W`` for ``x`` of shape
+    ``[..., K]``: the transpose of ``torch.nn.Linear.weight`` (``(out, in)``); pass
+    ``linear.weight.T`` to ``lowbit.quantize_weight``.
 
     Attributes:
         format: "ternary", "sign" or "int8".
@@ -66,8 +72,8 @@ class PackedWeight:
 
     format: str
     shape: tuple
-    data: object
-    scale: object
+    data: Array
+    scale: Array
 
     @property
     def codes_per_byte(self) -> int:
@@ -83,22 +89,22 @@ class PackedWeight:
         """Bytes of the same weight held densely in float32: ``K * N * 4``."""
         return int(4 * self.shape[0] * self.shape[1])
 
-    def codes(self):
+    def codes(self) -> Array:
         """Signed codes [K, N] int8 (ternary {-1, 0, 1}, sign {-1, 1}, int8 [-127, 127])."""
         pw = checked_packed(self, "PackedWeight")
         _, impl = _dispatch.resolve("quantize", pw.data)
         return impl.unpack_weight(pw.data, pw.format, pw.shape[0]).T.astype(np.int8)
 
-    def dequantize(self):
+    def dequantize(self) -> Array:
         """float32 [K, N]: ``codes * scale``."""
         return self.codes().astype(np.float32) * self.scale.astype(np.float32)
 
 
-def checked_packed(pw, name):
+def checked_packed(pw: PackedWeight, name: str) -> PackedWeight:
     """A PackedWeight's fields checked against its format and shape (a hand-built one could send
     the kernels past its data); returns it, with ``data`` made contiguous where it was not.
     Messages name ``name.field``."""
-    bits = WEIGHT_FORMATS[weight_format(pw.format, f"{name}.format")]
+    bits = WEIGHT_FORMATS[check_weight_format(pw.format, f"{name}.format")]
     if not (isinstance(pw.shape, tuple) and len(pw.shape) == 2
             and all(isinstance(d, (int, np.integer)) and d > 0 for d in pw.shape)):
         raise ValueError(f"{name}.shape must be (K, N) with positive integers, got {pw.shape!r}")
@@ -130,14 +136,14 @@ class QuantizedActivation:
     """
 
     format: str
-    codes: object
-    scale: object
+    codes: Array
+    scale: Array
 
     @property
     def nbytes(self) -> int:
         return int(self.codes.itemsize * self.codes.size + self.scale.itemsize * self.scale.size)
 
-    def dequantize(self):
+    def dequantize(self) -> Array:
         """float32, the input's shape: ``codes * scale[..., None]``."""
         return self.codes.astype(np.float32) * self.scale[..., None]
 
@@ -161,32 +167,40 @@ def _finite_scale(scale, w, name):
         raise ValueError(f"{name} must have a finite scale; mean |{name}| overflows {w.dtype}")
 
 
-def quantize_weight(w, format) -> PackedWeight:
+def quantize_weight(w: Array, weight_format: str) -> PackedWeight:
     """Quantize and pack a weight matrix.
 
     Args:
-        w: [K, N] float32 or float64 (numpy or cupy); must be finite.
-        format: "ternary", "sign" or "int8".
+        w: [K, N] (in features x out features: the transpose of ``torch.nn.Linear.weight``)
+            float32 or float64 (numpy or cupy); must be finite. The scale statistic is formed
+            in the input's dtype (``mean |w|`` in float64); the scale is stored as float32.
+        weight_format: "ternary", "sign" or "int8".
 
     Returns:
         ``PackedWeight`` whose arrays live on the array module of ``w``.
 
     Raises:
         TypeError: ``w`` is not a float array.
-        ValueError: unknown ``format``, ``w`` not 2-d or empty, non-finite ``w``.
+        ValueError: unknown ``weight_format``, ``w`` not 2-d or empty, non-finite ``w``, a
+            scale past float32's range (a float64 ``w`` beyond it).
     """
-    format = weight_format(format)
+    fmt = check_weight_format(weight_format)
     w = _weight_input(w)
     _, impl = _dispatch.resolve("quantize", w)
-    stored, scale = impl.weight_codes(w, format)
+    stored, scale = impl.weight_codes(w, fmt)
     _finite_scale(scale, w, "w")
-    bits = WEIGHT_FORMATS[format]
-    if format != "int8" and stored.shape[-1] != packed_length(w.shape[0], bits):
+    xp = _backend.array_module(w)
+    with np.errstate(over="ignore"):  # a float64 scale past float32's range: the error below
+        scale32 = xp.asarray(scale, dtype=np.float32)
+    if _kernels.read_status(~xp.isfinite(scale32).all()):
+        raise ValueError(f"w's scale overflows float32 (the scale is stored as float32): "
+                         f"max |w| = {float(xp.abs(w).max()):.3g}")
+    bits = WEIGHT_FORMATS[fmt]
+    if fmt != "int8" and stored.shape[-1] != packed_length(w.shape[0], bits):
         # A backend may pack as it quantizes (numba does); one code (K = 1) packs to itself.
         # The codes come from the kernel, in range by construction: no range check to read.
         stored = pack_codes(stored, bits, axis=-1)
-    xp = _backend.array_module(w)
-    return PackedWeight(format, tuple(w.shape), stored, xp.asarray(scale, dtype=np.float32))
+    return PackedWeight(fmt, tuple(w.shape), stored, scale32)
 
 
 def _rows(x, name):
@@ -199,7 +213,7 @@ def _rows(x, name):
     return x
 
 
-def quantize_rows(x, format, name="x"):
+def quantize_rows(x, act_format, name="x"):
     """Validated per-row quantization shared with ``packed_matmul``: ``(codes, scale)``.
 
     ``x`` must already be checked by ``_rows``. Non-finite rows are found by the backend in the
@@ -210,51 +224,54 @@ def quantize_rows(x, format, name="x"):
     K = x.shape[-1]
     rows = xp.ascontiguousarray(x).reshape(-1, K)
     _, impl = _dispatch.resolve("quantize", rows)
-    codes, scale = impl.row_codes(rows, ACT_FORMATS[format])
+    codes, scale = impl.row_codes(rows, ACT_FORMATS[act_format])
     if scale.size and _kernels.read_status(~xp.isfinite(scale).all()):
         bad = int(xp.flatnonzero(~xp.isfinite(scale))[0])
         raise ValueError(f"{name} must be finite, got a non-finite value in row {bad}")
     return codes.reshape(x.shape), scale.reshape(x.shape[:-1])
 
 
-def quantize_activation(x, format="int8") -> QuantizedActivation:
+def quantize_activation(x: Array, act_format: str = "int8") -> QuantizedActivation:
     """Quantize activations per row over the last axis.
 
     ``scale = max(max|x_row|, 1e-5) / qmax`` (qmax 127 for "int8", 7 for "int4"),
     ``code = clip(rint(x / scale), -qmax, qmax)``.
 
     Args:
-        x: [..., K] float32 or float64, K >= 1.
-        format: "int8" or "int4" (codes are held one per int8 either way).
+        x: [..., K] float32 or float64, K >= 1; the quotients are formed in its dtype.
+        act_format: "int8" or "int4" (codes are held one per int8 either way).
 
     Returns:
         ``QuantizedActivation`` with ``codes`` int8 [..., K] and ``scale`` float32 [...].
 
     Raises:
-        TypeError: ``x`` is not a float array. ValueError: unknown format, a non-finite value.
+        TypeError: ``x`` is not a float array.
+        ValueError: unknown ``act_format``, a non-finite value.
     """
-    format = act_format(format, "format")
+    fmt = check_act_format(act_format)
     x = _rows(x, "x")
-    codes, scale = quantize_rows(x, format)
-    return QuantizedActivation(format, codes, scale)
+    codes, scale = quantize_rows(x, fmt)
+    return QuantizedActivation(fmt, codes, scale)
 
 
-def fake_quantize_weight(w, format):
+def fake_quantize_weight(w: Array, weight_format: str) -> Array:
     """Quantize then dequantize a weight: same shape and dtype as ``w``.
 
-    Its backward is the identity (straight-through estimator): pass the incoming gradient
-    through unchanged.
+    The dequantized values ``code * scale`` are formed in float32 (the scale is stored float32)
+    and returned in ``w``'s dtype. Its backward is the identity (straight-through estimator):
+    pass the incoming gradient through unchanged.
     """
-    pw = quantize_weight(w, format)
+    pw = quantize_weight(w, weight_format)
     return pw.dequantize().astype(w.dtype, copy=False)
 
 
-def fake_quantize_activation(x, format="int8"):
+def fake_quantize_activation(x: Array, act_format: str = "int8") -> Array:
     """Quantize then dequantize activations per row: same shape and dtype as ``x``.
 
-    Its backward is the identity (straight-through estimator).
+    ``code * scale`` is formed in float32 and returned in ``x``'s dtype. Its backward is the
+    identity (straight-through estimator).
     """
-    return quantize_activation(x, format).dequantize().astype(x.dtype, copy=False)
+    return quantize_activation(x, act_format).dequantize().astype(x.dtype, copy=False)
 
 
 def weight_rows(pw, k0: int, k1: int) -> PackedWeight:

@@ -12,13 +12,18 @@ from . import EPS, WEIGHT_FORMATS, WEIGHT_QMAX
 
 
 def weight_scale(w, format):
-    """Scale in ``w``'s dtype: 0-d (ternary, sign; mean |w| taken in float64) or [N] (int8)."""
+    """Scale in ``w``'s dtype: 0-d (ternary, sign; mean |w| taken in float64) or [N] (int8).
+
+    Non-finite (no warning) where ``w`` holds NaN or inf or its mean |w| overflows: callers raise
+    on it. Shared with the cuda backend (``_cuda.py``).
+    """
     xp = _backend.array_module(w)
     dt = w.dtype.type
-    if format == "int8":
-        return xp.maximum(xp.abs(w).max(axis=0), dt(EPS)) / dt(WEIGHT_QMAX["int8"])
-    mean = xp.abs(w).sum(dtype=np.float64) / w.size
-    return xp.maximum(mean, EPS).astype(w.dtype)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if format == "int8":
+            return xp.maximum(xp.abs(w).max(axis=0), dt(EPS)) / dt(WEIGHT_QMAX["int8"])
+        mean = xp.abs(w).sum(dtype=np.float64) / w.size
+        return xp.maximum(mean, EPS).astype(w.dtype)
 
 
 def weight_codes(w, format):
@@ -26,16 +31,21 @@ def weight_codes(w, format):
 
     Stored codes are uint8 ``code + 1`` (ternary), uint8 bit (sign) or int8 codes (int8); the
     caller packs the first two along K.
+
+    A non-finite ``w`` (or one whose mean |w| overflows) gives a non-finite scale and codes that
+    the caller must not use: it raises ``ValueError`` on seeing the scale, so NumPy's warnings
+    about the NaN and inf met on the way (divide, cast, overflow) are silenced here.
     """
     xp = _backend.array_module(w)
-    scale = weight_scale(w, format)
-    if format == "sign":
-        stored = (w.T >= 0).astype(np.uint8)
-    elif format == "ternary":
-        stored = (xp.clip(xp.rint(w.T / scale), -1, 1) + 1).astype(np.uint8)
-    else:
-        qmax = WEIGHT_QMAX["int8"]
-        stored = xp.clip(xp.rint(w.T / scale[:, None]), -qmax, qmax).astype(np.int8)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        scale = weight_scale(w, format)
+        if format == "sign":
+            stored = (w.T >= 0).astype(np.uint8)
+        elif format == "ternary":
+            stored = (xp.clip(xp.rint(w.T / scale), -1, 1) + 1).astype(np.uint8)
+        else:
+            qmax = WEIGHT_QMAX["int8"]
+            stored = xp.clip(xp.rint(w.T / scale[:, None]), -qmax, qmax).astype(np.int8)
     out = _backend.empty(stored.shape, stored.dtype, xp)
     out[...] = stored
     return out, scale

@@ -35,6 +35,7 @@ import numpy as np
 
 from ... import _backend, _dispatch, _kernels, _validate
 from ..._ctx import Exact, Saved
+from ..._typing import Array
 from ..pack_bits import pack_bits, unpack_bits
 
 FORMATS = ("fp32", "int8", "int4", "int2", "sparse")
@@ -53,10 +54,28 @@ STATUS_NONFINITE = 1
 STATUS_NEGATIVE = 2
 
 
-def _format(format) -> str:
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-    return format
+def _format(value, name: str = "saved_format") -> str:
+    if value not in FORMATS:
+        raise ValueError(f"{name} must be one of {FORMATS}, got {value!r}")
+    return value
+
+
+#: The defaults of the options that only some formats read (``_unused_options``).
+_OPTION_DEFAULTS = {"group_size": 256, "rounding": "nearest", "seed": 0}
+
+
+def _unused_options(fmt, group_size, rounding, seed, what):
+    """Raise for an option given a non-default value that ``fmt`` would ignore: ``"fp32"``
+    keeps the values (no groups, no rounding), and nearest rounding draws no noise (no seed)."""
+    given = {"group_size": group_size, "rounding": rounding, "seed": seed}
+    unused = ("group_size", "rounding", "seed") if fmt == "fp32" else (
+        ("seed",) if rounding == "nearest" else ())
+    for name in unused:
+        if given[name] != _OPTION_DEFAULTS[name]:
+            why = (f"{what}='fp32' keeps the float32 values" if fmt == "fp32"
+                   else "rounding='nearest' draws no noise")
+            raise ValueError(f"{name}={given[name]!r} has no effect: {why}; leave {name} at "
+                             f"its default {_OPTION_DEFAULTS[name]!r}")
 
 
 def _rounding(rounding) -> str:
@@ -82,9 +101,14 @@ class SavedConfig:
 
     Attributes:
         format: ``"fp32"``, ``"int8"``, ``"int4"``, ``"int2"`` or ``"sparse"``.
-        group_size: elements per quantization group (>= 1).
-        rounding: ``"nearest"`` or ``"stochastic"``.
-        seed: noise seed for stochastic rounding, in ``[0, 2**64)``.
+        group_size: elements per quantization group (>= 1); not with ``"fp32"``.
+        rounding: ``"nearest"`` or ``"stochastic"``; not with ``"fp32"``.
+        seed: noise seed for stochastic rounding, in ``[0, 2**64)``; only with
+            ``rounding="stochastic"``.
+
+    Raises:
+        ValueError: a bad value, or an option set away from its default where the format or
+            rounding ignores it (the message names it).
     """
 
     format: str = "int8"
@@ -92,12 +116,13 @@ class SavedConfig:
     rounding: str = "nearest"
     seed: int = 0
 
-    def __post_init__(self):
-        _format(self.format)
+    def __post_init__(self) -> None:
+        _format(self.format, "format")
         object.__setattr__(self, "group_size",
                            _validate.integer(self.group_size, "group_size", minimum=1))
         _rounding(self.rounding)
         object.__setattr__(self, "seed", _seed(self.seed))
+        _unused_options(self.format, self.group_size, self.rounding, self.seed, "format")
 
 
 def noise_key(seed: int) -> np.uint64:
@@ -109,8 +134,8 @@ class PackedActivation(Saved):
     """A tensor packed by ``pack_activation``; ``unpack()`` gives float32 of the original shape.
 
     Attributes:
-        shape, dtype: of the original tensor. format, kind, group_size, rounding, seed: how it
-            was packed.
+        shape, dtype: of the original tensor.
+        format, kind, group_size, rounding, seed: how it was packed.
         data: fp32 only, the float32 values.
         codes: uint8; int formats ``[rows, ceil(n * bits / 8)]`` bit-packed along the last axis,
             sparse ``[nnz]``.
@@ -145,7 +170,7 @@ class PackedActivation(Saved):
         return (f"PackedActivation(shape={self.shape}, format={self.format!r}, kind={self.kind!r},"
                 f" nbytes={self.nbytes}, dense_nbytes={self.dense_nbytes})")
 
-    def unpack(self):
+    def unpack(self) -> Array:
         """float32 array of ``shape`` on the array module of the packed arrays."""
         if self.format == "fp32":
             return self.data
@@ -177,40 +202,49 @@ def _raise_flags(flags, kind):
                          "got negative values")
 
 
-def pack_activation(x, format, *, kind="values", group_size=256, rounding="nearest", seed=0):
+def pack_activation(x: Array, saved_format: str, *, kind: str = "values", group_size: int = 256,
+                    rounding: str = "nearest", seed: int = 0) -> PackedActivation:
     """Pack an activation for the backward pass.
+
+    Precision: the statistics and codes are computed in float32 (a float64 ``x`` is rounded to
+    float32 first); ``unpack()`` returns float32.
 
     Args:
         x: float32 or float64 array (numpy or cupy), any shape; groups run along the last axis.
-        format: ``"fp32"``, ``"int8"``, ``"int4"``, ``"int2"`` or ``"sparse"``.
-        kind: ``"values"`` (any sign) or ``"nonneg"`` (post-ReLU: the zero pattern is exact).
-        group_size: elements per group (>= 1); for ``"sparse"``, nonzeros per group.
+        saved_format: ``"fp32"``, ``"int8"``, ``"int4"``, ``"int2"`` or ``"sparse"``.
+        kind: ``"values"`` (any sign) or ``"nonneg"`` (post-ReLU: the zero pattern is exact;
+            with ``"fp32"`` it only checks that ``x`` is non-negative).
+        group_size: elements per group (>= 1); for ``"sparse"``, nonzeros per group. Not with
+            ``"fp32"``.
         rounding: ``"nearest"`` (half to even) or ``"stochastic"`` (unbiased for ``"values"``).
-        seed: stochastic-rounding seed in ``[0, 2**64)``.
+            Not with ``"fp32"``.
+        seed: stochastic-rounding seed in ``[0, 2**64)``; only with ``rounding="stochastic"``.
 
     Returns:
         PackedActivation on the array module of ``x``.
 
     Raises:
         TypeError: ``x`` not a float32/float64 array; ``group_size`` or ``seed`` not an integer.
-        ValueError: unknown ``format``, ``kind`` or ``rounding``; ``"sparse"`` with
-            ``kind="values"``; ``group_size < 1``; non-finite ``x``; negative ``x`` with
+        ValueError: unknown ``saved_format``, ``kind`` or ``rounding``; ``"sparse"`` with
+            ``kind="values"``; ``group_size < 1``; an option given a non-default value that the
+            format or rounding ignores (named); non-finite ``x``; negative ``x`` with
             ``kind="nonneg"`` or ``"sparse"``.
     """
     x = _validate.floating(_validate.as_array(x, "x"), "x")
-    format = _format(format)
+    fmt = _format(saved_format)
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if format == "sparse" and kind != "nonneg":
-        raise ValueError(f"format='sparse' stores the zero pattern of a post-ReLU tensor and "
-                         f"needs kind='nonneg', got kind={kind!r}")
+    if fmt == "sparse" and kind != "nonneg":
+        raise ValueError(f"saved_format='sparse' stores the zero pattern of a post-ReLU tensor "
+                         f"and needs kind='nonneg', got kind={kind!r}")
     group_size = _validate.integer(group_size, "group_size", minimum=1)
     rounding = _rounding(rounding)
     seed = _seed(seed)
+    _unused_options(fmt, group_size, rounding, seed, "saved_format")
     xp = _backend.array_module(x)
-    meta = (x.shape, x.dtype, format, kind, group_size, rounding, seed)
+    meta = (x.shape, x.dtype, fmt, kind, group_size, rounding, seed)
     nonneg = kind == "nonneg"
-    if format == "fp32":
+    if fmt == "fp32":
         if x.size:
             # min and max carry any NaN or inf: two read-only reductions, no boolean temporaries,
             # and one read of both.
@@ -222,7 +256,7 @@ def pack_activation(x, format, *, kind="values", group_size=256, rounding="neare
     stochastic = rounding == "stochastic"
     key = noise_key(seed)
     contiguous = xp.ascontiguousarray(x)
-    if format == "sparse":
+    if fmt == "sparse":
         size = x.size
         if size == 0:
             mask = _backend.empty((0,), np.uint8, xp)
@@ -233,7 +267,7 @@ def pack_activation(x, format, *, kind="values", group_size=256, rounding="neare
                                                            stochastic, key)
             _raise_status(status, kind)
         return PackedActivation(*meta, codes=codes, scales=scales, mask=mask)
-    bits = FORMAT_BITS[format]
+    bits = FORMAT_BITS[fmt]
     n = x.shape[-1] if x.ndim else 1
     rows = math.prod(x.shape[:-1]) if x.ndim else 1
     if x.size == 0:
@@ -252,7 +286,8 @@ class PackedMask(Saved):
     """A boolean array held at 1 bit per element (``pack_bits`` layout over the flattened array).
 
     Attributes:
-        shape: of the original mask. bits: ``[ceil(size / 8)]`` uint8.
+        shape: of the original mask.
+        bits: ``[ceil(size / 8)]`` uint8.
     """
 
     format = "mask1"
@@ -268,13 +303,13 @@ class PackedMask(Saved):
     def __repr__(self):
         return f"PackedMask(shape={self.shape}, nbytes={self.nbytes})"
 
-    def unpack(self):
+    def unpack(self) -> Array:
         """The boolean mask of ``shape`` on the array module of ``bits``."""
         flat = unpack_bits(self.bits, 1, math.prod(self.shape))
         return flat.view(np.bool_).reshape(self.shape)
 
 
-def pack_mask(mask) -> PackedMask:
+def pack_mask(mask: Array) -> PackedMask:
     """Pack a boolean array (numpy or cupy) at 1 bit per element.
 
     Raises:
@@ -288,7 +323,7 @@ def pack_mask(mask) -> PackedMask:
     return PackedMask(mask.shape, pack_bits(flat, 1))
 
 
-def save_activation(x, saved, kind="values") -> Saved:
+def save_activation(x: Array, saved: str | SavedConfig, kind: str = "values") -> Saved:
     """Pack ``x`` by the policy ``saved`` (the body of ``save`` for ``saved`` not None).
 
     Args:
@@ -298,6 +333,9 @@ def save_activation(x, saved, kind="values") -> Saved:
             format). Under the ``"sparse"`` policy, ``"values"`` tensors are saved at int8.
     """
     config = saved_policy(saved)
+    if config is None:
+        raise ValueError("saved must be a format or a SavedConfig here; saved=None keeps a "
+                         "tensor exact (save)")
     if kind == "mask":
         return pack_mask(x)
     if config.format == "sparse" and kind == "values":
@@ -308,7 +346,7 @@ def save_activation(x, saved, kind="values") -> Saved:
                            rounding=config.rounding, seed=config.seed)
 
 
-def saved_policy(saved):
+def saved_policy(saved: str | SavedConfig | None) -> SavedConfig | None:
     """Parse an op's ``saved=`` argument, before any kernel runs: ``None`` or a ``SavedConfig``.
 
     Every ``*_forward`` calls this first, so a bad policy raises here, naming ``saved``.
@@ -328,7 +366,7 @@ def saved_policy(saved):
                     f"{type(saved).__name__}")
 
 
-def save(x, saved=None, *, kind: str = "values") -> Saved:
+def save(x: Array, saved: str | SavedConfig | None = None, *, kind: str = "values") -> Saved:
     """The one choke point through which every op stores a tensor in its ctx.
 
     Args:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
 from ... import _backend, _ctx, _dispatch, _validate
-from ..saved_activation import save, saved_policy
+from ..._typing import Array
+from ..saved_activation import SavedConfig, save, saved_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +87,13 @@ def _contiguous(xp, *arrays):
     return tuple(xp.ascontiguousarray(a) for a in arrays)
 
 
-def segmented_attention_forward(q, k, v, lengths, scale=None, causal=False, *, saved=None):
+def segmented_attention_forward(q: Array, k: Array, v: Array, lengths: Sequence[int] | Array, *,
+                                scale: float | None = None, causal: bool = False,
+                                saved: str | SavedConfig | None = None
+                                ) -> tuple[Array, SegmentedAttentionCtx]:
     """Attention inside each segment of packed tokens, keeping what the backward needs.
+
+    Computed in the inputs' dtype (float32 or float64).
 
     Args:
         q: [T, H, D] float32 or float64 (numpy or cupy).
@@ -97,7 +104,8 @@ def segmented_attention_forward(q, k, v, lengths, scale=None, causal=False, *, s
             contiguous segments in token order.
         scale: score scale, finite and positive; default ``1 / sqrt(D)``.
         causal: a query sees only keys at or before its own position within its segment.
-        saved: saved-activation policy for q, k, v, out and the logsumexp (``None``: exact).
+        saved: saved-activation policy for q, k, v and out (``None``: exact; a packed policy
+            is unpacked to the inputs' dtype in the backward); the logsumexp is kept exact.
 
     Returns:
         ``(out, ctx)``: out [T, H, Dv] of the input dtype; ``ctx`` a
@@ -123,7 +131,8 @@ def segmented_attention_forward(q, k, v, lengths, scale=None, causal=False, *, s
     return out, ctx
 
 
-def segmented_attention(q, k, v, lengths, scale=None, causal=False):
+def segmented_attention(q: Array, k: Array, v: Array, lengths: Sequence[int] | Array, *,
+                        scale: float | None = None, causal: bool = False) -> Array:
     """Inference form of ``segmented_attention_forward``: returns ``out`` [T, H, Dv] only."""
     q, k, v, offsets, scale, causal = _check_inputs(q, k, v, lengths, scale, causal)
     xp = _backend.array_module(q)
@@ -132,7 +141,8 @@ def segmented_attention(q, k, v, lengths, scale=None, causal=False):
     return impl.forward(q, k, v, offsets, scale, causal)[0]
 
 
-def segmented_attention_backward(dout, ctx):
+def segmented_attention_backward(dout: Array, ctx: SegmentedAttentionCtx
+                                 ) -> tuple[Array, Array, Array]:
     """Gradients of ``sum(dout * out)`` for the forward recorded in ``ctx``.
 
     Args:
@@ -140,8 +150,9 @@ def segmented_attention_backward(dout, ctx):
         ctx: the ``SegmentedAttentionCtx`` returned by ``segmented_attention_forward``.
 
     Returns:
-        ``(dq, dk, dv)`` shaped like q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv]; ``dk`` and ``dv``
-        sum over the query heads of each group. Bitwise deterministic.
+        ``(dq, dk, dv)`` shaped like q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv], of the forward's
+        dtype (computed in it); ``dk`` and ``dv`` sum over the query heads of each group.
+        Bitwise deterministic.
 
     Raises:
         TypeError: ``ctx`` is not a ``SegmentedAttentionCtx``, ``dout`` not an array or of
@@ -151,11 +162,13 @@ def segmented_attention_backward(dout, ctx):
     if not isinstance(ctx, SegmentedAttentionCtx):
         raise TypeError(f"ctx must be a SegmentedAttentionCtx, got {type(ctx).__name__}")
     dout = _validate.as_array(dout, "dout")
-    q, k, v, out, lse = (s.unpack() for s in (ctx.q, ctx.k, ctx.v, ctx.out, ctx.lse))
-    _validate.shape(dout, out.shape, "dout", "the forward output's")
-    if dout.dtype != q.dtype:
-        raise TypeError(f"dout must have dtype {q.dtype}, got {dout.dtype}")
-    xp = _backend.array_module(dout, q)
+    lse = ctx.lse.unpack()  # exact: of the forward's dtype
+    _validate.shape(dout, ctx.out.shape, "dout", "the forward output's")
+    _validate.grad_dtype(dout, lse.dtype, "dout")
+    xp = _backend.array_module(dout, lse)
+    # A packed policy unpacks float32; the gradients are computed in the forward's dtype.
+    q, k, v, out = (xp.ascontiguousarray(s.unpack(), dtype=lse.dtype)
+                    for s in (ctx.q, ctx.k, ctx.v, ctx.out))
     _, impl = _dispatch.resolve("segmented_attention", dout, q)
-    dout, q, k, v, out, lse = _contiguous(xp, dout, q, k, v, out, lse)
+    dout, lse = _contiguous(xp, dout, lse)
     return impl.backward(dout, q, k, v, out, lse, ctx.offsets, ctx.scale, ctx.causal)

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from ... import _backend, _ctx, _dispatch, _validate
-from ..saved_activation import save, saved_policy
+from ..._typing import Array
+from ..saved_activation import SavedConfig, save, saved_policy
 
 _OP = "selective_scan"
 
@@ -35,6 +38,8 @@ class SelectiveScanCtx(_ctx.Ctx):
         checkpoints: [Bt, H, ceil(T / chunk_size), P, N], the state entering each chunk (exact).
         dt_floor, chunk_size: as given to the forward.
         has_initial_state: an ``initial_state`` was given (its gradient is returned).
+        dtype: the forward's dtype (of ``out`` and the state; ``dout`` and ``dstate`` must
+            have it).
     """
 
     x: _ctx.Saved
@@ -48,6 +53,7 @@ class SelectiveScanCtx(_ctx.Ctx):
     dt_floor: float
     chunk_size: int
     has_initial_state: bool
+    dtype: np.dtype
 
 
 def _prepare(x, B, C, dt, dt_bias, A_log, D, initial_state, dt_floor, chunk_size):
@@ -90,8 +96,12 @@ def _prepare(x, B, C, dt, dt_bias, A_log, D, initial_state, dt_floor, chunk_size
     return work, state, dt_floor, chunk_size
 
 
-def selective_scan(x, B, C, dt, dt_bias, A_log, D, initial_state=None, dt_floor=0.0):
+def selective_scan(x: Array, B: Array, C: Array, dt: Array, dt_bias: Array, A_log: Array,
+                   D: Array, *, initial_state: Array | None = None,
+                   dt_floor: float = 0.0) -> tuple[Array, Array]:
     """Run the selective scan over T tokens (inference: nothing is saved).
+
+    Computed in the inputs' dtype (float32 or float64).
 
     Args:
         x: [Bt, T, H, P] float32 or float64 (every input shares the dtype of ``x``).
@@ -102,7 +112,8 @@ def selective_scan(x, B, C, dt, dt_bias, A_log, D, initial_state=None, dt_floor=
         dt_floor: finite float >= 0, the smallest step.
 
     Returns:
-        out: [Bt, T, H, P]; state: [Bt, H, P, N], the state after the last token.
+        out: [Bt, T, H, P]; state: [Bt, H, P, N], the state after the last token; both of the
+        inputs' dtype.
 
     Raises:
         TypeError: a non-array, a non-float dtype or dtypes that differ from ``x``'s.
@@ -116,13 +127,18 @@ def selective_scan(x, B, C, dt, dt_bias, A_log, D, initial_state=None, dt_floor=
     return out, final
 
 
-def selective_scan_forward(x, B, C, dt, dt_bias, A_log, D, initial_state=None, dt_floor=0.0, *,
-                           chunk_size=64, saved=None):
+def selective_scan_forward(x: Array, B: Array, C: Array, dt: Array, dt_bias: Array,
+                           A_log: Array, D: Array, *, initial_state: Array | None = None,
+                           dt_floor: float = 0.0, chunk_size: int = 64,
+                           saved: str | SavedConfig | None = None
+                           ) -> tuple[Array, Array, SelectiveScanCtx]:
     """``selective_scan`` that also returns the ctx of ``selective_scan_backward``.
 
     Args:
-        as ``selective_scan``; chunk_size: tokens between state checkpoints (positive int);
-        saved: saved-activation policy for x, B, C and dt (``None`` keeps them exact).
+        x, B, C, dt, dt_bias, A_log, D, initial_state, dt_floor: as ``selective_scan``.
+        chunk_size: tokens between state checkpoints (positive int).
+        saved: saved-activation policy for x, B, C and dt (``None`` keeps them exact; a packed
+            policy is unpacked to the inputs' dtype in the backward).
 
     Returns:
         out [Bt, T, H, P], state [Bt, H, P, N], ctx (``SelectiveScanCtx``).
@@ -132,45 +148,58 @@ def selective_scan_forward(x, B, C, dt, dt_bias, A_log, D, initial_state=None, d
                                                  dt_floor, chunk_size)
     _, impl = _dispatch.resolve(_OP, *work)
     out, final, checkpoints = impl.forward(*work, state, dt_floor, chunk_size, True)
+    x_s, B_s, C_s, dt_s = (save(a, saved) for a in work[:4])
     ctx = SelectiveScanCtx(
-        *(save(a, saved) for a in work[:4]),
-        *work[4:],
+        x=x_s, B=B_s, C=C_s, dt=dt_s, dt_bias=work[4], A_log=work[5], D=work[6],
         checkpoints=save(checkpoints, None),
         dt_floor=dt_floor,
         chunk_size=chunk_size,
         has_initial_state=initial_state is not None,
+        dtype=out.dtype,
     )
     return out, final, ctx
 
 
-def selective_scan_backward(dout, dstate, ctx):
+def selective_scan_backward(dout: Array, dstate: Array | None, ctx: SelectiveScanCtx
+                            ) -> tuple[Array, ...]:
     """Gradients of ``selective_scan_forward``'s outputs with respect to its inputs.
 
     Args:
-        dout: [Bt, T, H, P] gradient of ``out``.
-        dstate: [Bt, H, P, N] gradient of the final state, or None (zero).
+        dout: [Bt, T, H, P] gradient of ``out``, of the forward's dtype.
+        dstate: [Bt, H, P, N] gradient of the final state, of the forward's dtype, or None
+            (zero).
         ctx: the ``SelectiveScanCtx`` of the forward.
 
     Returns:
         dx [Bt, T, H, P]; dB, dC [Bt, T, H, N]; ddt [Bt, T, H]; ddt_bias, dA_log, dD [H];
-        dinitial_state [Bt, H, P, N] or None when no initial state was given.
+        dinitial_state [Bt, H, P, N] or None when no initial state was given; all of the
+        forward's dtype (computed in it).
+
+    Raises:
+        TypeError: ``ctx`` not a ``SelectiveScanCtx``; ``dout`` or ``dstate`` not an array of
+            the forward's dtype and array kind.
+        ValueError: ``dout`` or ``dstate`` of the wrong shape.
     """
     if not isinstance(ctx, SelectiveScanCtx):
         raise TypeError(f"ctx must be a SelectiveScanCtx, got {type(ctx).__name__}")
-    x, B, C, dt = (s.unpack() for s in (ctx.x, ctx.B, ctx.C, ctx.dt))
     checkpoints = ctx.checkpoints.unpack()
-    nb, nt, nh, npp = x.shape
-    nn = B.shape[3]
-    dout = _validate.floating(_validate.as_array(dout, "dout"), "dout")
+    nb, nh, _, npp, nn = checkpoints.shape
+    nt = ctx.x.shape[1]
+    dout = _validate.as_array(dout, "dout")
+    _validate.grad_dtype(dout, ctx.dtype, "dout")
     _validate.shape(dout, (nb, nt, nh, npp), "dout")
     if dstate is not None:
-        dstate = _validate.floating(_validate.as_array(dstate, "dstate"), "dstate")
+        dstate = _validate.as_array(dstate, "dstate")
+        _validate.grad_dtype(dstate, ctx.dtype, "dstate")
         _validate.shape(dstate, (nb, nh, npp, nn), "dstate")
-    _backend.array_kind(x, dout, dstate)
-    xp = _backend.array_module(x)
-    dout = xp.ascontiguousarray(dout, dtype=x.dtype)
-    dstate = (xp.zeros((nb, nh, npp, nn), x.dtype) if dstate is None
-              else xp.ascontiguousarray(dstate, dtype=x.dtype))
+    _backend.array_kind(checkpoints, dout, dstate)
+    xp = _backend.array_module(checkpoints)
+    # A packed policy unpacks float32; the gradients are computed in the forward's dtype.
+    x, B, C, dt = (xp.ascontiguousarray(s.unpack(), dtype=ctx.dtype)
+                   for s in (ctx.x, ctx.B, ctx.C, ctx.dt))
+    dout = xp.ascontiguousarray(dout)
+    dstate = (xp.zeros((nb, nh, npp, nn), ctx.dtype) if dstate is None
+              else xp.ascontiguousarray(dstate))
     _, impl = _dispatch.resolve(_OP, x, dout)
     grads = impl.backward(dout, dstate, x, B, C, dt, ctx.dt_bias, ctx.A_log, ctx.D, checkpoints,
                           ctx.dt_floor, ctx.chunk_size)

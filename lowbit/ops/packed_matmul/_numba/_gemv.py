@@ -95,6 +95,8 @@ def gemv_acc(codes_x, data, format):
     M, K = codes_x.shape
     N = data.shape[0]
     acc = np.empty((M, N), dtype=np.int32)
+    if M == 0:  # no rows: nothing to sum (and no plane layout to reshape)
+        return acc
     if format == "int8":
         _gemv8(codes_x, data, acc)
         return acc
