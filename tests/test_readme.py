@@ -7,7 +7,7 @@ skipped silently. One kind of line is rewritten before a block runs, the marked 
 example that would take long: ``steps = 200  # tests/test_readme.py runs 3`` runs with
 ``steps = 3``; the marker says so in the README itself.
 
-The docs build (``sphinx-build -W`` over ``docs/``, ~10 s) is ``tests/test_docs.py``.
+The docs build (``sphinx-build -W`` over ``docs/``, ~10 s) is a step of ``.ci/run``.
 """
 
 from __future__ import annotations

@@ -159,12 +159,20 @@ def _weight_input(w, name="w"):
 
 
 def _finite_scale(scale, w, name):
-    """Raise if a weight's scale is not finite: the statistic carries any NaN or inf of ``w``
-    (mean |w| in float64, or the column absmax), so one read of one flag checks the weight."""
+    """The weight's scale as stored (float32), or an error if it is not finite: the statistic
+    carries any NaN or inf of ``w`` (mean |w| in float64, or the column absmax), and a float64
+    scale past float32's range becomes inf, so one read of one flag checks the weight."""
     xp = _backend.array_module(scale)
-    if _kernels.read_status(~xp.isfinite(scale).all()):
+    with np.errstate(over="ignore"):  # past float32's range: the error below, no warning
+        scale32 = xp.asarray(scale, dtype=np.float32)
+    if _kernels.read_status(~xp.isfinite(scale32).all()):
         _validate.all_finite(w, name)
-        raise ValueError(f"{name} must have a finite scale; mean |{name}| overflows {w.dtype}")
+        if not bool(xp.isfinite(scale).all()):
+            raise ValueError(f"{name} must have a finite scale; mean |{name}| overflows "
+                             f"{w.dtype}")
+        raise ValueError(f"{name}'s scale overflows float32 (the scale is stored as float32): "
+                         f"max |{name}| = {float(xp.abs(w).max()):.3g}")
+    return scale32
 
 
 def quantize_weight(w: Array, weight_format: str) -> PackedWeight:
@@ -188,13 +196,7 @@ def quantize_weight(w: Array, weight_format: str) -> PackedWeight:
     w = _weight_input(w)
     _, impl = _dispatch.resolve("quantize", w)
     stored, scale = impl.weight_codes(w, fmt)
-    _finite_scale(scale, w, "w")
-    xp = _backend.array_module(w)
-    with np.errstate(over="ignore"):  # a float64 scale past float32's range: the error below
-        scale32 = xp.asarray(scale, dtype=np.float32)
-    if _kernels.read_status(~xp.isfinite(scale32).all()):
-        raise ValueError(f"w's scale overflows float32 (the scale is stored as float32): "
-                         f"max |w| = {float(xp.abs(w).max()):.3g}")
+    scale32 = _finite_scale(scale, w, "w")
     bits = WEIGHT_FORMATS[fmt]
     if fmt != "int8" and stored.shape[-1] != packed_length(w.shape[0], bits):
         # A backend may pack as it quantizes (numba does); one code (K = 1) packs to itself.
