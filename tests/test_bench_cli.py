@@ -2,7 +2,6 @@
 help text, refused flags, ``--check``'s exit status, the metadata of every result file and the
 first-call announcements. Nothing here trains or times a real suite: the work is monkeypatched.
 
-Run by path: ``pytest -q bench/test_cli.py`` (the default ``pytest`` run collects ``tests/``).
 """
 
 from __future__ import annotations
@@ -12,15 +11,21 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import lowbit
 from lowbit import _dispatch
-from bench import __main__ as cli
-from bench import _harness, gpu, train
-from bench._harness import Case, Config
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
+
+from bench import __main__ as cli  # noqa: E402
+from bench import _harness, gpu, train  # noqa: E402
+from bench._harness import Case, Config  # noqa: E402
 
 
 def _exit(argv, capsys) -> tuple[int, str, str]:
