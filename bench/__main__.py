@@ -27,7 +27,8 @@ from . import _harness
 
 #: Every suite, runnable by name (``python -m bench SUITE``) and under pytest-benchmark.
 SUITES = ("pack_bits", "matmul", "scan", "attention", "memory", "lowrank_residual", "embedding",
-          "cross_entropy", "layer_norm", "adamw", "io", "train")
+          "cross_entropy", "layer_norm", "rotary", "rms_norm",
+          "adamw", "io", "bitnet", "train")
 
 
 DESCRIPTION = (

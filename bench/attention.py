@@ -19,6 +19,10 @@ shrinks it to T = 1024 in segments of 64 to 256):
   against the reference first), forward and forward + backward, full and causal; each row is
   followed by lowbit's same step timed again right after it, target 1.0 (as fast as torch).
 
+- a decode step (no peer): one query per sequence against its KV cache through ``k_lengths``
+  (``DECODE``: BitNet b1.58 2B's H = 20, Hkv = 5, D = 128, S = 1, a 1024-token cache), causal,
+  with GFLOP/s and the GB/s of reading the cache.
+
 With ``--gpu``: the cuda backend at T = 65536 (TFLOP/s = GFLOP/s / 1000 in the table).
 Numba runs with 2 threads (or fewer where fewer exist); the table prints the counts.
 """
@@ -40,6 +44,36 @@ SUITE = "attention"
 THREADS = 2
 #: The floor for exact attention: this share of one square sgemm's GFLOP/s.
 CEILING_SHARE = 0.6
+
+
+#: The decode row: sequences, cached keys each, query heads, key/value heads, head dimension.
+DECODE = {"S": 1, "Lk": 1024, "H": 20, "Hkv": 5, "D": 128}
+
+
+def _check_decode(backend):
+    """The decode path on a small shape (two sequences) against the float64 reference."""
+    rng = np.random.default_rng(4)
+    lengths, k_lengths = [1, 1], [300, 17]
+    q = rng.standard_normal((2, 20, 128)).astype(np.float32)
+    k, v = (rng.standard_normal((317, 5, 128)).astype(np.float32) for _ in range(2))
+    with _maybe(backend):
+        out = lowbit.segmented_attention(q, k, v, lengths, k_lengths=k_lengths, causal=True)
+    ref, _ = segmented_attention_ref(q, k, v, lengths, causal=True, k_lengths=k_lengths)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def _decode_case(backend):
+    rng = np.random.default_rng(5)
+    s, keys, heads, kv_heads, dim = (DECODE[n] for n in ("S", "Lk", "H", "Hkv", "D"))
+    q = rng.standard_normal((s, heads, dim)).astype(np.float32)
+    k, v = (rng.standard_normal((s * keys, kv_heads, dim)).astype(np.float32) for _ in range(2))
+
+    def step():
+        with _maybe(backend):
+            return lowbit.segmented_attention(q, k, v, [1] * s, k_lengths=[keys] * s, causal=True)
+
+    return Case(SUITE, f"decode {backend}", fn=step, check=lambda: _check_decode(backend),
+                flops=4.0 * s * heads * keys * dim, nbytes=k.nbytes + v.nbytes, info=DECODE)
 
 
 def _host(x):
@@ -305,6 +339,7 @@ def cases(config: Config):
                info=shape)
     yield Case(SUITE, f"fwd+bwd {backend}", fn=run_both,
                baseline="fwd+bwd numpy per-segment", flops=3.5 * fwd_flops, info=shape)
+    yield _decode_case(backend)
     runs = {(step, causal): (lambda f=fn, c=causal: f(c))
             for step, fn in (("fwd", run_forward), ("fwd+bwd", run_both))
             for causal in (False, True)}

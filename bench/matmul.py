@@ -9,6 +9,9 @@ Op: ``lowbit/ops/packed_matmul`` (formats in ``lowbit/ops/quantize``); reference
   columns count those bytes once, the copy's writes not included; the ``kernel`` column says
   whether the AVX-512 VNNI kernels ran, here and in the GEMM rows), and the two portable Numba
   GEMV variants (plane decode, lookup table) side by side;
+- GEMV, ternary, 16 rows of K = N = 4096 (target 3x) and one row of 2560 x 6912 (BitNet
+  b1.58 2B's widest projection, target 5x), each against NumPy float32 ``x @ W``; the ``kernel``
+  column also names the 256-bit ``avx2`` / ``avxvnni`` kernels;
 - GEMM, M = 256: NumPy float32 matmul (baseline), packed GEMM (target 1.0), with the weight bytes
   of both;
 - the straight-through linear layer's backward (ternary weights, int8 activations) against its
@@ -106,7 +109,12 @@ def _kernel(backend):
     if backend not in (None, "numba") or "numba" not in lowbit.available_backends():
         return "-"
     from lowbit.ops.packed_matmul import _numba
-    return "vnni" if _numba.USE_VNNI else "portable"
+    from lowbit.ops.packed_matmul._numba import _avx2
+    if _numba.USE_VNNI:
+        return "vnni"
+    if _numba.USE_AVX2:
+        return "avxvnni" if _avx2.AVX_VNNI else "avx2"
+    return "portable"
 
 
 def _torch_cases(x, w, prefix, baseline):
@@ -180,6 +188,7 @@ def cases(config: Config):
             check=lambda: np.testing.assert_array_equal(_gemv_lut(codes, pw.data), exact),
             info={"format": "ternary/int8"})
     yield from _torch_cases(x1, w, "gemv", "gemv numpy f32")
+    yield from _more_gemv_cases(backend, label, rng, w, 16 if not config.quick else 4)
 
     # GEMM ------------------------------------------------------------------------------------
     yield Case(SUITE, "gemm numpy f32", fn=lambda: xm @ w, flops=2.0 * M * K * N,
@@ -203,6 +212,30 @@ def cases(config: Config):
 
     # straight-through backward ---------------------------------------------------------------
     yield from _backward_cases(backend, label, rng, xm, w, M, K, N)
+
+
+def _more_gemv_cases(backend, label, rng, w, rows):
+    """Ternary GEMV at ``rows`` rows of the square shape, and one row of BitNet b1.58 2B's
+    widest projection (K = 2560, N = 6912), each against NumPy float32 ``x @ W``."""
+    K, N = w.shape
+    for M, wk in ((rows, w), (1, rng.standard_normal((2560, 6912)).astype(np.float32))):
+        x = rng.standard_normal((M, wk.shape[0])).astype(np.float32)
+        shape = f"{M}x{wk.shape[0]}x{wk.shape[1]}"
+        base = f"gemv {shape} numpy f32"
+        yield Case(SUITE, base, fn=lambda x=x, wk=wk: x @ wk, nbytes=wk.nbytes,
+                   flops=2.0 * x.size * wk.shape[1], info={"shape": shape})
+        with _maybe(backend):
+            p = lowbit.quantize_weight(wk, "ternary")
+
+        def fn(x=x, p=p):
+            with _maybe(backend):
+                return lowbit.packed_matmul(x, p, "int8")
+
+        yield Case(SUITE, f"gemv {shape} ternary {label}", fn=fn, baseline=base,
+                   check=lambda x=x, p=p, fn=fn: _check_exact(np, backend, x, p, fn()),
+                   target=3.0 if M > 1 else 5.0, nbytes=p.nbytes,
+                   flops=2.0 * x.size * wk.shape[1],
+                   info={"shape": shape, "format": "ternary/int8", "kernel": _kernel(backend)})
 
 
 def _cosine(a, b):

@@ -4,10 +4,15 @@
 // lowbit/ops/segmented_attention/_cuda.py; reference: reference/segmented_attention.py; tests:
 // tests/test_segmented_attention.py. Device helpers: segmented_attention_tiles.cuh.
 //
-// Layout: q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv], token-major; query head h reads key/value
-// head h / (H / Hkv). A block covers kBlockRows<T> rows (query rows, or key rows for dk/dv) of
-// one segment and one head; blockIdx.x walks the row blocks of every segment through the prefix
-// table block_prefix[S + 1] (row blocks before each segment), built once per call on the host.
+// Layout: q [Tq, H, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv], token-major; query head h reads
+// key/value head h / (H / Hkv). Segment s holds queries offsets[s]:offsets[s + 1] and keys
+// k_offsets[s]:k_offsets[s + 1] (the same table unless the caller gave key lengths; a segment
+// may be empty then). Causal masks align bottom-right: query row r (global) sees key row j
+// (global) iff j <= r + shift, shift = k_offsets[s + 1] - offsets[s + 1]; a query that sees no
+// key gets out 0, lse -inf and no gradient. A block covers kBlockRows<T> rows (query rows, or
+// key rows for dk/dv) of one segment and one head; blockIdx.x walks the row blocks of every
+// segment through the prefix table block_prefix[S + 1] (row blocks before each segment, of the
+// queries or for dk/dv of the keys), built once per call on the host.
 //
 // Register blocking (FA2 on CUDA cores, exact fp32 / fp64 products and sums): a warp owns
 // kRowGroups * V rows of the block (V = kVec<T>, the elements of one 16-byte load); lane
@@ -31,8 +36,9 @@
 template <typename T, int C>
 __global__ void segmented_attention_fwd(const T* __restrict__ q, const T* __restrict__ k,
                                         const T* __restrict__ v,
-                                        const int64_t* __restrict__ offsets,
-                                        const int64_t* __restrict__ block_prefix,
+                                        const int64_t* __restrict__ offsets,       // [S + 1]
+                                        const int64_t* __restrict__ k_offsets,     // [S + 1]
+                                        const int64_t* __restrict__ block_prefix,  // [S + 1]
                                         T* __restrict__ out, T* __restrict__ lse,
                                         int64_t num_segments, int64_t tokens, int64_t heads,
                                         int64_t kv_heads, int64_t dim, int64_t dim_v, T scale,
@@ -49,7 +55,8 @@ __global__ void segmented_attention_fwd(const T* __restrict__ q, const T* __rest
     const int64_t h = blockIdx.y;
     const int64_t g = h / (heads / kv_heads);
     const Rows blk = block_rows<T>(offsets, block_prefix, num_segments);
-    const int64_t key_stop = causal ? blk.r0 + blk.count : blk.seg_end;
+    const KeyRange keys = key_range(blk, k_offsets, causal);
+    const int64_t key_stop = keys.stop, shift = keys.shift;
     const Lane ln = lane_of<T>();
     const int rg = ln.rg, cg = ln.cg, row0 = ln.row0;
     T* p_w = p_s + ln.warp * kRowGroups * V * (BN + V);
@@ -62,12 +69,12 @@ __global__ void segmented_attention_fwd(const T* __restrict__ q, const T* __rest
         lowbit::cp_async_commit();
     };
     stage(q_s, q, blk.r0, blk.count, BM, heads, h, dim);
-    stage_kv(blk.seg_start, 0);
+    if (keys.start < key_stop) stage_kv(keys.start, 0);
     T acc[V][NC][V] = {}, m[V], l[V] = {};
 #pragma unroll
     for (int i = 0; i < V; ++i) m[i] = neg_inf<T>();
     int buf = 0;
-    for (int64_t k0 = blk.seg_start; k0 < key_stop; k0 += BN, buf ^= 1) {
+    for (int64_t k0 = keys.start; k0 < key_stop; k0 += BN, buf ^= 1) {
         const int count = static_cast<int>(key_stop - k0 < BN ? key_stop - k0 : BN);
         lowbit::cp_async_wait<0>();
         __syncthreads();  // tile n (and q) landed everywhere; every warp is done with tile n - 1
@@ -83,19 +90,20 @@ __global__ void segmented_attention_fwd(const T* __restrict__ q, const T* __rest
 #pragma unroll
             for (int t = 0; t < V; ++t) {
                 const int j = cg + t * kColGroups;
-                const bool visible = j < count && !(causal && k0 + j > row);
+                const bool visible = j < count && !(causal && k0 + j > row + shift);
                 s[i][t] = visible ? s[i][t] * scale : neg_inf<T>();
                 tile_max = max_of(tile_max, s[i][t]);
             }
-            // The first tile holds the segment's first key, visible to every row (padding rows
-            // past the segment included): m is finite from then on, and a tile whose keys are
-            // all masked for a row leaves its state unchanged.
+            // A tile whose keys are all masked for a row leaves its state unchanged. A row that
+            // has seen no key yet (new_m = -inf: more queries than keys, bottom-right) is
+            // shifted by 0 instead, so its state stays exactly zero rather than NaN.
             const T new_m = max_of(m[i], row_reduce<true>(tile_max));
-            const T alpha = exp_of(m[i] - new_m);
+            const T base = new_m == neg_inf<T>() ? T(0) : new_m;
+            const T alpha = exp_of(m[i] - base);
             T sum = 0;
 #pragma unroll
             for (int t = 0; t < V; ++t) {
-                s[i][t] = exp_of(s[i][t] - new_m);
+                s[i][t] = exp_of(s[i][t] - base);
                 sum += s[i][t];
             }
             l[i] = l[i] * alpha + sum;  // this lane's share of the row sum
@@ -111,8 +119,11 @@ __global__ void segmented_attention_fwd(const T* __restrict__ q, const T* __rest
     for (int i = 0; i < V; ++i) {
         l[i] = row_reduce<false>(l[i]);
         const int r = row0 + i * kRowGroups;
-        if (cg == 0 && r < blk.count) lse[h * tokens + blk.r0 + r] = m[i] + log_of(l[i]);
-        const T inv = T(1) / l[i];
+        // l = 0 only for a row that sees no key: out 0, lse -inf.
+        if (cg == 0 && r < blk.count) {
+            lse[h * tokens + blk.r0 + r] = l[i] > T(0) ? m[i] + log_of(l[i]) : neg_inf<T>();
+        }
+        const T inv = l[i] > T(0) ? T(1) / l[i] : T(0);
 #pragma unroll
         for (int cw = 0; cw < NC * V; ++cw) acc[i][cw / V][cw % V] *= inv;
     }
@@ -148,8 +159,9 @@ __global__ void segmented_attention_bwd_dq(const T* __restrict__ dout, const T* 
                                            const T* __restrict__ k, const T* __restrict__ v,
                                            const T* __restrict__ lse,
                                            const T* __restrict__ delta,
-                                           const int64_t* __restrict__ offsets,
-                                           const int64_t* __restrict__ block_prefix,
+                                           const int64_t* __restrict__ offsets,       // [S + 1]
+                                           const int64_t* __restrict__ k_offsets,     // [S + 1]
+                                           const int64_t* __restrict__ block_prefix,  // [S + 1]
                                            T* __restrict__ dq, int64_t num_segments,
                                            int64_t tokens, int64_t heads, int64_t kv_heads,
                                            int64_t dim, int64_t dim_v, T scale,
@@ -167,7 +179,8 @@ __global__ void segmented_attention_bwd_dq(const T* __restrict__ dout, const T* 
     const int64_t h = blockIdx.y;
     const int64_t g = h / (heads / kv_heads);
     const Rows blk = block_rows<T>(offsets, block_prefix, num_segments);
-    const int64_t key_stop = causal ? blk.r0 + blk.count : blk.seg_end;
+    const KeyRange keys = key_range(blk, k_offsets, causal);
+    const int64_t key_stop = keys.stop, shift = keys.shift;
     const Lane ln = lane_of<T>();
     const int rg = ln.rg, cg = ln.cg, row0 = ln.row0;
     T* ds_w = ds_s + ln.warp * kRowGroups * V * (BN + V);
@@ -181,7 +194,7 @@ __global__ void segmented_attention_bwd_dq(const T* __restrict__ dout, const T* 
     };
     stage(q_s, q, blk.r0, blk.count, BM, heads, h, dim);
     stage(do_s, dout, blk.r0, blk.count, BM, heads, h, dim_v);
-    stage_kv(blk.seg_start, 0);
+    if (keys.start < key_stop) stage_kv(keys.start, 0);
     T acc[V][NC][V] = {}, row_lse[V], row_delta[V];
 #pragma unroll
     for (int i = 0; i < V; ++i) {
@@ -190,7 +203,7 @@ __global__ void segmented_attention_bwd_dq(const T* __restrict__ dout, const T* 
         row_delta[i] = r < blk.count ? delta[h * tokens + blk.r0 + r] : T(0);
     }
     int buf = 0;
-    for (int64_t k0 = blk.seg_start; k0 < key_stop; k0 += BN, buf ^= 1) {
+    for (int64_t k0 = keys.start; k0 < key_stop; k0 += BN, buf ^= 1) {
         const int count = static_cast<int>(key_stop - k0 < BN ? key_stop - k0 : BN);
         lowbit::cp_async_wait<0>();
         __syncthreads();  // as in the forward
@@ -205,7 +218,8 @@ __global__ void segmented_attention_bwd_dq(const T* __restrict__ dout, const T* 
 #pragma unroll
             for (int t = 0; t < V; ++t) {
                 const int j = cg + t * kColGroups;
-                const bool visible = j < count && !(causal && k0 + j > row);
+                // A row without keys (lse -inf) has none visible: its p and ds are 0.
+                const bool visible = j < count && !(causal && k0 + j > row + shift);
                 const T p = exp_of(visible ? s[i][t] * scale - row_lse[i] : neg_inf<T>());
                 s[i][t] = p * (dp[i][t] - row_delta[i]);
             }
@@ -226,7 +240,9 @@ __global__ void segmented_attention_bwd_dkdv(const T* __restrict__ dout,
                                              const T* __restrict__ q, const T* __restrict__ k,
                                              const T* __restrict__ v, const T* __restrict__ lse,
                                              const T* __restrict__ delta,
-                                             const int64_t* __restrict__ offsets,
+                                             const int64_t* __restrict__ offsets,    // [S + 1]
+                                             const int64_t* __restrict__ k_offsets,  // [S + 1]
+                                             // [S + 1], of the key row blocks
                                              const int64_t* __restrict__ block_prefix,
                                              T* __restrict__ dk, T* __restrict__ dv,
                                              int64_t num_segments, int64_t tokens,
@@ -248,9 +264,12 @@ __global__ void segmented_attention_bwd_dkdv(const T* __restrict__ dout,
     T* delta_s = lse_s + 2 * BN;            // [2][BN]
     const int64_t g = blockIdx.y;
     const int64_t group = heads / kv_heads;
-    const Rows blk = block_rows<T>(offsets, block_prefix, num_segments);
-    // A causal query sees this block only from its first key on.
-    const int64_t query_start = causal ? blk.r0 : blk.seg_start;
+    const Rows blk = block_rows<T>(k_offsets, block_prefix, num_segments);
+    const int64_t q_end = offsets[blk.seg + 1], shift = blk.seg_end - q_end;
+    // A causal query sees this block only from its first key on: query r >= r0 - shift.
+    const int64_t q_first = blk.r0 - shift;
+    const int64_t query_start =
+        causal && q_first > offsets[blk.seg] ? q_first : offsets[blk.seg];
     const Lane ln = lane_of<T>();
     const int rg = ln.rg, cg = ln.cg, row0 = ln.row0;
     T* p_w = p_s + ln.warp * kWarpTile;
@@ -262,8 +281,7 @@ __global__ void segmented_attention_bwd_dkdv(const T* __restrict__ dout,
     const int64_t h_end = (g + 1) * group;
     int64_t h_next = g * group, r_next = query_start;
     const auto stage_next = [&](int buf) {
-        const int count =
-            static_cast<int>(blk.seg_end - r_next < BN ? blk.seg_end - r_next : BN);
+        const int count = static_cast<int>(q_end - r_next < BN ? q_end - r_next : BN);
         stage(q_s + buf * BN * ld, q, r_next, count, BN, heads, h_next, dim);
         stage(do_s + buf * BN * ldv, dout, r_next, count, BN, heads, h_next, dim_v);
         lowbit::cp_async_commit();
@@ -272,19 +290,20 @@ __global__ void segmented_attention_bwd_dkdv(const T* __restrict__ dout,
             delta_s[buf * BN + j] = j < count ? delta[h_next * tokens + r_next + j] : T(0);
         }
         r_next += BN;
-        if (r_next >= blk.seg_end) {
+        if (r_next >= q_end) {
             r_next = query_start;
             ++h_next;
         }
     };
     stage(k_s, k, blk.r0, blk.count, BM, kv_heads, g, dim);
     stage(v_s, v, blk.r0, blk.count, BM, kv_heads, g, dim_v);
-    stage_next(0);
+    // No query sees these keys (an empty query segment, or all before the block): dk = dv = 0.
+    if (query_start < q_end) stage_next(0);
     T dk_acc[V][NC][V] = {}, dv_acc[V][NC][V] = {};
     int buf = 0;
     for (int64_t h = g * group; h < h_end; ++h) {
-        for (int64_t r0 = query_start; r0 < blk.seg_end; r0 += BN, buf ^= 1) {
-            const int count = static_cast<int>(blk.seg_end - r0 < BN ? blk.seg_end - r0 : BN);
+        for (int64_t r0 = query_start; r0 < q_end; r0 += BN, buf ^= 1) {
+            const int count = static_cast<int>(q_end - r0 < BN ? q_end - r0 : BN);
             lowbit::cp_async_wait<0>();
             __syncthreads();  // this step landed everywhere; every warp is done with the last
             if (h_next < h_end) stage_next(buf ^ 1);
@@ -301,7 +320,7 @@ __global__ void segmented_attention_bwd_dkdv(const T* __restrict__ dout,
 #pragma unroll
                 for (int t = 0; t < V; ++t) {
                     const int j = cg + t * kColGroups;
-                    const bool visible = j < count && !(causal && r0 + j < key);
+                    const bool visible = j < count && !(causal && r0 + j + shift < key);
                     s[i][t] = exp_of(visible ? s[i][t] * scale - lse_t[j] : neg_inf<T>());
                     dp[i][t] = s[i][t] * (dp[i][t] - delta_t[j]);
                 }

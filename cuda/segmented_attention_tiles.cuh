@@ -56,7 +56,8 @@ __device__ __forceinline__ int tile_stride(int64_t dim) {
     return tile_width<T>(dim) + kVec<T>;
 }
 
-// The segment holding row block `b`: the last s with block_prefix[s] <= b.
+// The segment holding row block `b`: the last s with block_prefix[s] <= b (segments without
+// rows hold no block and are passed over).
 __device__ __forceinline__ int64_t find_segment(const int64_t* __restrict__ block_prefix,
                                                 int64_t num_segments, int64_t b) {
     int64_t lo = 0, hi = num_segments - 1;
@@ -175,9 +176,9 @@ __device__ __forceinline__ int chunks_of(int64_t dim) {
     return tile_width<T>(dim) / (kColGroups * kVec<T>);
 }
 
-// The block's place: segment, first row, rows held, and the end of its segment.
+// The block's place: its segment s, the segment's rows, the block's first row and rows held.
 struct Rows {
-    int64_t seg_start, seg_end, r0;
+    int64_t seg, seg_start, seg_end, r0;
     int count;
 };
 template <typename T>
@@ -188,8 +189,27 @@ __device__ __forceinline__ Rows block_rows(const int64_t* __restrict__ offsets,
     const int64_t s = find_segment(block_prefix, num_segments, b);
     const int64_t r0 = offsets[s] + (b - block_prefix[s]) * kBlockRows<T>;
     const int64_t left = offsets[s + 1] - r0;
-    return Rows{offsets[s], offsets[s + 1], r0,
+    return Rows{s, offsets[s], offsets[s + 1], r0,
                 static_cast<int>(left < kBlockRows<T> ? left : kBlockRows<T>)};
+}
+
+// The keys of a query block's segment: [start, stop), stop causally clipped to what the block's
+// last row sees, and shift = key segment end - query segment end (row r sees keys j <= r + shift
+// when causal: the mask aligned bottom-right).
+struct KeyRange {
+    int64_t start, stop, shift;
+};
+__device__ __forceinline__ KeyRange key_range(const Rows& blk,
+                                              const int64_t* __restrict__ k_offsets,
+                                              int32_t causal) {
+    const int64_t start = k_offsets[blk.seg], end = k_offsets[blk.seg + 1];
+    const int64_t shift = end - blk.seg_end;
+    int64_t stop = end;
+    if (causal) {
+        const int64_t seen = blk.r0 + blk.count + shift;
+        stop = seen < start ? start : (seen < end ? seen : end);
+    }
+    return KeyRange{start, stop, shift};
 }
 
 // This thread's place in the block: warp, lane (rg, cg) and its first block row.

@@ -63,6 +63,8 @@ from .ops.cross_entropy import (CrossEntropyCtx, cross_entropy, cross_entropy_ba
                                 cross_entropy_forward)
 from .ops.embedding import EmbeddingCtx, embedding, embedding_backward, embedding_forward
 from .ops.layer_norm import LayerNormCtx, layer_norm, layer_norm_backward, layer_norm_forward
+from .ops.rotary import RotaryCtx, rotary, rotary_backward, rotary_forward
+from .ops.rms_norm import RMSNormCtx, rms_norm, rms_norm_backward, rms_norm_forward
 from .ops.packed_matmul import LinearCtx, linear_backward, linear_forward, packed_matmul
 from .ops.quantize import (PackedWeight, QuantizedActivation, fake_quantize_activation,
                            fake_quantize_weight, quantize_activation, quantize_weight)
@@ -104,6 +106,8 @@ __all__ = [
     "quantize_weight", "segmented_attention", "segmented_attention_backward",
     "segmented_attention_forward", "selective_scan", "selective_scan_backward",
     "selective_scan_forward", "unpack_bits",
+    "RotaryCtx", "rotary", "rotary_backward", "rotary_forward",
+    "RMSNormCtx", "rms_norm", "rms_norm_backward", "rms_norm_forward",
     # subpackages, loaded on first use
     *_LAZY_SUBMODULES,
 ]

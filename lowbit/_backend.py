@@ -277,6 +277,7 @@ _SHAPE_CACHES = (
     ("lowbit.ops.packed_matmul._numba._gemm_f64", "_WORK"),
     ("lowbit.ops.lowrank_residual._layer", "_rope_tables_host"),
     ("lowbit.ops.lowrank_residual._layer", "_rope_tables_device"),
+    ("lowbit.ops.rotary", "_host_tables"),
 )
 
 

@@ -54,6 +54,16 @@ def _layer_norm(rng, dtype, saved):
     return (y,), lambda g: (lowbit.layer_norm_backward(g[0], ctx),), ("dy",)
 
 
+def _rms_norm(rng, dtype, saved):
+    y, ctx = lowbit.rms_norm_forward(_f(rng, dtype, 3, 5), _f(rng, dtype, 5), saved=saved)
+    return (y,), lambda g: lowbit.rms_norm_backward(g[0], ctx), ("dy",)
+
+
+def _rotary(rng, dtype, saved):
+    y, ctx = lowbit.rotary_forward(_f(rng, dtype, 3, 2, 4), np.array([4, 0, 57]))
+    return (y,), lambda g: (lowbit.rotary_backward(g[0], ctx),), ("dy",)
+
+
 def _embedding(rng, dtype, saved):
     out, ctx = lowbit.embedding_forward(_f(rng, dtype, 6, 4), np.array([[0, 5, 2], [2, 2, 1]]))
     return (out,), lambda g: (lowbit.embedding_backward(g[0], ctx),), ("dout",)
@@ -101,9 +111,9 @@ def _lowrank(rng, dtype, saved):
 OPS = {"linear": _linear, "linear_unquantized": _linear_plain, "layer_norm": _layer_norm,
        "embedding": _embedding, "cross_entropy": _cross_entropy, "segmented_attention": _attention,
        "gated_delta_scan": _gated_delta, "selective_scan": _selective,
-       "lowrank_residual": _lowrank}
+       "lowrank_residual": _lowrank, "rotary": _rotary, "rms_norm": _rms_norm}
 #: Ops with a ``saved=`` policy (the packed policy unpacks float32: the gradients must not).
-SAVED = [name for name in OPS if name != "embedding"]
+SAVED = [name for name in OPS if name not in ("embedding", "rotary")]
 
 
 def _grads_of(outputs):
@@ -157,6 +167,7 @@ def test_inference_forms_follow_the_inputs(cpu, rng, dtype):
     assert lowbit.lowrank_residual(*lowrank_inputs(rng, 1, 4, 4, 2, 6, dtype)).dtype == dtype
     q = _f(rng, dtype, 4, 2, 3)
     assert lowbit.segmented_attention(q, q, q, [4]).dtype == dtype
+    assert lowbit.rotary(q[..., :2], np.arange(4)).dtype == dtype
     heads = lowbit.expand_heads(q, 1, 4)
     assert heads.dtype == dtype
     assert lowbit.expand_heads_backward(np.ones_like(heads), 1, 2).dtype == dtype

@@ -73,6 +73,7 @@ def test_gemm_workspace_is_bounded_and_released(monkeypatch):
     from lowbit.ops.packed_matmul._numba import _gemm_f64
 
     monkeypatch.setattr(pm_numba, "USE_VNNI", False)  # the float64-field BLAS GEMM keeps them
+    monkeypatch.setattr(pm_numba, "USE_AVX2", False)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((67, 1100)).astype(np.float32)
     pw = lowbit.quantize_weight(rng.standard_normal((1100, 70)).astype(np.float32), "ternary")

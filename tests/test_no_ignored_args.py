@@ -87,6 +87,14 @@ def _ln(fn, **options):
     return fn(_f(3, 6, scale=0.1), **options)
 
 
+def _rms(fn, **options):
+    return fn(_f(3, 6, scale=0.1), _f(6, seed=1), **options)
+
+
+def _rot(fn, **options):
+    return fn(_f(3, 2, 6), np.array([5, 0, 9]), **options)
+
+
 def _gdr(fn, **options):
     q, k, v = (_f(1, 5, 2, 3, scale=0.5, seed=i) for i in range(3))
     return fn(q, k, v, -np.abs(_f(1, 5, 2, scale=0.3)), np.abs(_f(1, 5, 2, seed=4)) / 4,
@@ -224,6 +232,11 @@ CASES = {  # (function, option[, variant]) -> (default call, call with the optio
                                          "eps", 0.5),
     ("layer_norm_forward", "saved"): _pair(lambda **o: _ln(lowbit.layer_norm_forward, **o),
                                            "saved", "int4"),
+    ("rms_norm", "eps"): _pair(lambda **o: _rms(lowbit.rms_norm, **o), "eps", 0.5),
+    ("rms_norm_forward", "eps"): _pair(lambda **o: _rms(lowbit.rms_norm_forward, **o), "eps",
+                                       0.5),
+    ("rms_norm_forward", "saved"): _pair(lambda **o: _rms(lowbit.rms_norm_forward, **o),
+                                         "saved", "int4"),
     **{("lowrank_residual", *([k] if isinstance(k, str) else k)): v
        for k, v in _layer_cases(lowbit.lowrank_residual, False).items()},
     **{("lowrank_residual_forward", *([k] if isinstance(k, str) else k)): v
@@ -258,6 +271,13 @@ CASES = {  # (function, option[, variant]) -> (default call, call with the optio
         lambda **o: _att(lowbit.segmented_attention_forward, **o), "causal", True),
     ("segmented_attention_forward", "saved"): _pair(
         lambda **o: _att(lowbit.segmented_attention_forward, **o), "saved", "int8"),
+    ("segmented_attention", "k_lengths"): _pair(
+        lambda **o: _att(lowbit.segmented_attention, **o), "k_lengths", [3, 2]),
+    ("segmented_attention_forward", "k_lengths"): _pair(
+        lambda **o: _att(lowbit.segmented_attention_forward, **o), "k_lengths", [3, 2]),
+    **{(fn.__name__, option): _pair(lambda fn=fn, **o: _rot(fn, **o), option, value)
+       for fn in (lowbit.rotary, lowbit.rotary_forward)
+       for option, value in (("theta", 500000.0), ("style", "interleaved"))},
 }
 
 #: Cases where the option has no effect, and must therefore raise: -> the message's start.

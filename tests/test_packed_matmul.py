@@ -85,11 +85,28 @@ def test_exact_at_largest_codes(backend, format):
     assert_equal("y", packed_matmul_ref(x, to_numpy(pw.data), to_numpy(pw.scale), format, K), y)
 
 
+def use_kernel(monkeypatch, kernel):
+    """Run the numba packed matmul on one kernel family: "vnni" (AVX-512 VNNI), "avx2" (AVX2 or
+    AVX-VNNI, ``_avx2.py``) or "portable"; skip where this CPU lacks it."""
+    from lowbit.ops.packed_matmul import _numba
+    from lowbit.ops.packed_matmul._numba import _avx2, _vnni
+
+    if kernel == "vnni" and not _vnni.AVAILABLE:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    if kernel == "avx2" and not _avx2.AVAILABLE:
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setattr(_numba, "USE_VNNI", kernel == "vnni")
+    monkeypatch.setattr(_numba, "USE_AVX2", kernel == "avx2")
+
+
+KERNELS = ["vnni", "avx2", "portable"]
+
+
 @pytest.mark.parametrize("format", FORMATS)
 @pytest.mark.parametrize("saturated", [None, "all", "half"])
-@pytest.mark.parametrize("name,vnni", [("numpy", False), ("numba", True), ("numba", False)],
-                         ids=["numpy", "numba-vnni", "numba-portable"])
-def test_gemm_rows_of_mixed_magnitude(monkeypatch, name, vnni, rng, format, saturated):
+@pytest.mark.parametrize("name,kernel", [("numpy", None)] + [("numba", k) for k in KERNELS],
+                         ids=["numpy"] + [f"numba-{k}" for k in KERNELS])
+def test_gemm_rows_of_mixed_magnitude(monkeypatch, name, kernel, rng, format, saturated):
     """GEMM rows (M = 20, past both GEMV thresholds) with one row of largest codes, over all of K
     or its second half only.
 
@@ -99,12 +116,8 @@ def test_gemm_rows_of_mixed_magnitude(monkeypatch, name, vnni, rng, format, satu
     (N = 1: one column only). The VNNI GEMM sees M = 20 = three whole 6-row tiles and a
     2-row one, and a partial 64-column panel; K = 2499 is not a multiple of 4.
     """
-    from lowbit.ops.packed_matmul import _numba
-    from lowbit.ops.packed_matmul._numba import _vnni
-
-    if vnni and not _vnni.AVAILABLE:
-        pytest.skip("this CPU has no AVX-512 VNNI")
-    monkeypatch.setattr(_numba, "USE_VNNI", vnni)
+    if kernel is not None:
+        use_kernel(monkeypatch, kernel)
     M, K = 20, 2499
     for N in (1, 2, 7, 8, 9):
         x = rng.standard_normal((M, K)).astype(np.float32)
@@ -123,21 +136,16 @@ def test_gemm_rows_of_mixed_magnitude(monkeypatch, name, vnni, rng, format, satu
 
 
 @pytest.mark.parametrize("format", FORMATS)
-@pytest.mark.parametrize("vnni", [pytest.param(True, id="vnni"),
-                                  pytest.param(False, id="portable")])
-def test_numba_gemv_kernels(monkeypatch, rng, format, vnni):
-    """Both numba GEMV kernels (AVX-512 VNNI and the portable loops) against the reference.
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_numba_gemv_kernels(monkeypatch, rng, format, kernel):
+    """Every numba GEMV kernel (AVX-512 VNNI, AVX2 / AVX-VNNI, the portable loops) against the
+    reference.
 
     K is chosen around the VNNI blocks (64, 128 and 256 packed bytes a loop iteration) so that
     whole blocks, tails and rows shorter than one block all occur; the last case has every code
     at its largest magnitude with alternating signs.
     """
-    from lowbit.ops.packed_matmul import _numba
-    from lowbit.ops.packed_matmul._numba import _vnni
-
-    if vnni and not _vnni.AVAILABLE:
-        pytest.skip("this CPU has no AVX-512 VNNI")
-    monkeypatch.setattr(_numba, "USE_VNNI", vnni)
+    use_kernel(monkeypatch, kernel)
     cases = [(1, 1, 3), (3, 37, 5), (8, 511, 4), (2, 513, 3), (1, 1031, 7), (5, 4096, 2),
              (16, 300, 9), (1, 4096 + 257, 3)]
     for i, (M, K, N) in enumerate(cases):
@@ -251,6 +259,7 @@ def test_numba_backward_without_avx512(monkeypatch, rng, weight_format):
 
     monkeypatch.setattr(_fma, "AVAILABLE", False)
     monkeypatch.setattr(_numba, "USE_VNNI", False)
+    monkeypatch.setattr(_numba, "USE_AVX2", False)
     x, w = _data(rng, 9, 70, 67)
     dy = rng.standard_normal((9, 67)).astype(np.float32)
     with lowbit.use_backend("numba"):

@@ -2,8 +2,9 @@
 (``lowbit._backend.read_only``), so an input a user froze (a read-only memory map, say) runs the
 specializations already compiled for writable ones, with the same bits, and compiles nothing
 new. One op of each kernel family: the scans, the segmented attention, the BDH layer's causal
-linear attention, layer norm, embedding, the quantizers, bit packing, the sparse saver and the
-straight-through linear. References: the ops' own tests compare these paths with ``reference/``."""
+linear attention, layer norm, RMS norm, embedding, the quantizers, bit packing, the sparse saver
+and the straight-through linear. References: the ops' own tests compare these paths with
+``reference/``."""
 
 from __future__ import annotations
 
@@ -118,6 +119,20 @@ def _layer_norm(rng):
             (_numba,))
 
 
+def _rms_norm(rng):
+    from lowbit.ops.rms_norm import _numba
+
+    inputs = [rng.standard_normal((6, 40)).astype(np.float32),
+              rng.standard_normal(40).astype(np.float32)]
+    dout = rng.standard_normal((6, 40)).astype(np.float32)
+
+    def run(args, g):
+        out, ctx = lowbit.rms_norm_forward(*args)
+        return (out, *lowbit.rms_norm_backward(g, ctx))
+
+    return inputs, dout, run, (_numba,)
+
+
 def _embedding(rng):
     from lowbit.ops.embedding import _numba
 
@@ -126,6 +141,19 @@ def _embedding(rng):
     dout = rng.standard_normal((30, 8)).astype(np.float32)
     return (inputs, dout, _forward_backward(lowbit.embedding_forward, lowbit.embedding_backward),
             (_numba,))
+
+
+def _rotary(rng):
+    from lowbit.ops.rotary import _numba
+
+    inputs = [rng.standard_normal((6, 3, 8)).astype(np.float32)]
+    dout = rng.standard_normal((6, 3, 8)).astype(np.float32)
+
+    def run(args, g):
+        out, ctx = lowbit.rotary_forward(args[0], np.array([0, 3, 1, 9, 57, 2]))
+        return out, lowbit.rotary_backward(g, ctx)
+
+    return inputs, dout, run, (_numba,)
 
 
 def _codes(rng):
@@ -179,7 +207,7 @@ def test_read_only_linear_compiles_nothing_new(rng, act_format):
 
 
 @pytest.mark.parametrize("case", [_gated_delta, _selective, _attention, _lowrank, _layer_norm,
-                                  _embedding, _codes])
+                                  _embedding, _codes, _rotary, _rms_norm])
 def test_read_only_inputs_compile_nothing_new_and_give_the_same_bits(rng, case):
     inputs, dout, run, modules = case(rng)
     with lowbit.use_backend("numba"):

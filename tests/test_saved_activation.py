@@ -435,6 +435,7 @@ def _forward_cases(rng):
                                      {}),
         "cross_entropy_forward": ((f32(T, V), rng.integers(0, V, size=T)), {}),
         "layer_norm_forward": ((f32(T, D),), {}),
+        "rms_norm_forward": ((f32(T, D), f32(D)), {}),
     }
 
 

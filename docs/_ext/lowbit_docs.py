@@ -8,8 +8,8 @@ when a signature changes; an unknown name is a build warning.
 After reading every page, ``check_coverage`` warns about each public name that no page
 documents: the names ``lowbit`` exports (its ``__all__``, subpackages included, which need an
 ``automodule``; without ``__all__``, every public attribute that is not a module), the
-``__all__`` of ``lowbit.io`` and ``lowbit.distributed``, and the public classes and functions
-defined in ``lowbit.models.bdh`` and ``lowbit.models.train``. With ``sphinx-build -W`` a new
+``__all__`` of ``lowbit.io``, ``lowbit.distributed`` and ``lowbit.models.bitnet``, and the
+public classes and functions defined in ``lowbit.models.bdh`` and ``lowbit.models.train``. With ``sphinx-build -W`` a new
 export without an entry fails the build.
 """
 
@@ -28,7 +28,7 @@ from sphinx.util.docutils import SphinxDirective
 logger = logging.getLogger(__name__)
 
 #: Modules whose ``__all__`` lists their public names.
-ALL_MODULES = ("lowbit.io", "lowbit.distributed")
+ALL_MODULES = ("lowbit.io", "lowbit.distributed", "lowbit.models.bitnet")
 #: Modules whose public classes and functions (defined there) are their public names.
 DEFINING_MODULES = ("lowbit.models.bdh", "lowbit.models.train")
 

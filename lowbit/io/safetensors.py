@@ -144,16 +144,16 @@ def _parse_header(path: StrPath, raw: bytes, size: int
     return [(b, n, c, s) for b, _, n, c, s in entries], meta
 
 
-def read_file(path: StrPath) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Read a safetensors file into host arrays.
+def read_raw(path: StrPath) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, str]]:
+    """Read a safetensors file into host arrays, keeping each tensor's stored dtype.
 
     Returns:
-        ``(arrays, metadata)``: name -> numpy array (owned, writable; BF16 decoded exactly to
-        float32), and the ``"__metadata__"`` map (empty if absent).
+        ``(tensors, metadata)``: name -> ``(dtype code, array)`` (the code as the header writes
+        it, e.g. "F32", "BF16"; the array owned and writable, native byte order; a BF16 tensor
+        is its uint16 bit patterns), and the ``"__metadata__"`` map (empty if absent).
 
     Raises:
-        ValueError: a header that is not JSON, lies about offsets (overlaps, gaps, out of range),
-            or whose dtype and shape disagree with the byte count; a truncated file.
+        ValueError: as ``read_file``.
     """
     with open(path, "rb") as f:
         total = os.fstat(f.fileno()).st_size
@@ -164,16 +164,35 @@ def read_file(path: StrPath) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         if n > min(MAX_HEADER, total - 8):
             raise _bad(path, f"header length {n} exceeds the file ({total} bytes) or the limit")
         entries, meta = _parse_header(path, f.read(n), total - 8 - n)
-        arrays: dict[str, np.ndarray] = {}
+        tensors: dict[str, tuple[str, np.ndarray]] = {}
         for _, name, code, shape in entries:
             dtype = np.dtype("<u2" if code == "BF16" else DTYPES[code])
             count = int(np.prod(shape, dtype=np.int64))
             arr = np.fromfile(f, dtype=dtype, count=count) if count else np.empty(0, dtype)
             if arr.size != count:
                 raise _bad(path, f"tensor {name!r} is truncated")
-            if code == "BF16":  # bf16 is the top half of a float32: widening is exact
-                arr = (arr.astype(np.uint32) << 16).view(np.float32)
-            arrays[name] = arr.astype(arr.dtype.newbyteorder("="), copy=False).reshape(shape)
+            tensors[name] = (code, arr.astype(arr.dtype.newbyteorder("="), copy=False)
+                             .reshape(shape))
+    return tensors, meta
+
+
+def read_file(path: StrPath) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Read a safetensors file into host arrays.
+
+    Returns:
+        ``(arrays, metadata)``: name -> numpy array (owned, writable; BF16 decoded exactly to
+        float32; ``read_raw`` keeps the bits), and the ``"__metadata__"`` map (empty if absent).
+
+    Raises:
+        ValueError: a header that is not JSON, lies about offsets (overlaps, gaps, out of range),
+            or whose dtype and shape disagree with the byte count; a truncated file.
+    """
+    tensors, meta = read_raw(path)
+    arrays: dict[str, np.ndarray] = {}
+    for name, (code, arr) in tensors.items():
+        if code == "BF16":  # bf16 is the top half of a float32: widening is exact
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        arrays[name] = arr
     return arrays, meta
 
 

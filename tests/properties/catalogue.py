@@ -133,8 +133,35 @@ def _training(s):
     return run
 
 
+def _rotary(s):
+    rng = _rng("rotary")
+    x = rng.standard_normal((5 * s, 3, 16)).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    positions = rng.integers(0, 100000, 5 * s)
+
+    def run():
+        y, ctx = lowbit.rotary_forward(x, positions, style="interleaved")
+        return [y, lowbit.rotary_backward(dy, ctx), lowbit.rotary(x, positions)]
+
+    return run
+
+
+def _rms_norm(s):
+    rng = _rng("rms_norm")
+    x = rng.standard_normal((5 * s, 3, 37)).astype(np.float32)
+    weight = rng.standard_normal(37).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+
+    def run():
+        y, ctx = lowbit.rms_norm_forward(x, weight)
+        return [y, *lowbit.rms_norm_backward(dy, ctx), lowbit.rms_norm(x, weight)]
+
+    return run
+
+
 BUILDERS = {"matmul": _matmul, "bits": _bits, "attention": _attention, "delta": _delta,
-            "selective": _selective, "lowrank": _lowrank, "training": _training}
+            "selective": _selective, "lowrank": _lowrank, "training": _training,
+            "rotary": _rotary, "rms_norm": _rms_norm}
 
 
 def calls(scale: int = 1) -> dict:

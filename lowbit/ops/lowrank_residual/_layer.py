@@ -23,6 +23,7 @@ from ... import _backend, _kernels, _profile
 from ..layer_norm import normalize
 from ..packed_matmul import activation_codes, straight_through_codes, straight_through_forward
 from ..quantize import ACT_FORMATS, quantize_weight
+from ..rotary import rotary_tables
 from ..saved_activation import save
 from ._pattern import gather_columns, gather_rows
 from ..segmented_attention import (segmented_attention, segmented_attention_backward,
@@ -46,9 +47,8 @@ def _rope_tables_host(T, N, pairs=None):
     if pairs is not None:
         idx = np.frombuffer(pairs, np.int64)
         return tuple(np.ascontiguousarray(t[:, idx]) for t in _rope_tables_host(T, N))
-    j = np.arange(N // 2, dtype=np.float64)
-    phi = np.arange(T, dtype=np.float64)[:, None] * ROPE_THETA ** (-2.0 * j / N)[None, :]
-    return np.cos(phi).astype(np.float32), np.sin(phi).astype(np.float32)
+    # The rotary op's tables: BDH's rotation is its interleaved style at positions 0 .. T - 1.
+    return rotary_tables(np.arange(T, dtype=np.int64), N, ROPE_THETA, np.float32)
 
 
 def rope_tables(T, N, xp, pairs=None):

@@ -1,8 +1,9 @@
 """Launchers for ``cuda/segmented_attention.cu`` (backends cuda and cudasim).
 
-The host builds the prefix table of row blocks per segment and keeps it on the device with the
-segment offsets (``_kernels.device_constant``: one upload per device and segment layout); the
-grid covers the row blocks of every segment. Blocks of ``THREADS`` threads hold
+The host builds the prefix tables of row blocks per segment (of the queries; of the keys for the
+``dk``/``dv`` kernel) and keeps them on the device with the query and key segment offsets
+(``_kernels.device_constant``: one upload per device and segment layout); the grid covers the
+row blocks of every segment. Blocks of ``THREADS`` threads hold
 ``_Tiles.block_rows`` rows (64 in float32, 32 in float64) and stage tiles of
 ``_Tiles.tile_rows`` rows of the other operand (32, 16) in shared memory; ``_Tiles`` mirrors the
 kernel's geometry to size the dynamic shared memory. Backward: one kernel for
@@ -84,8 +85,8 @@ def _function(kind, like, dtype, chunk=None):
     return _kernels.module(SOURCE, NAME_EXPRESSIONS, like).get_function(name)
 
 
-def forward(q, k, v, offsets, scale, causal):
-    """q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv] -> (out [T, H, Dv], lse [H, T])."""
+def forward(q, k, v, offsets, k_offsets, scale, causal):
+    """q [Tq, H, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv] -> (out [Tq, H, Dv], lse [H, Tq])."""
     xp = _backend.array_module(q)
     tokens, heads, dim = q.shape
     kv_heads, dim_v = k.shape[1], v.shape[2]
@@ -94,6 +95,7 @@ def forward(q, k, v, offsets, scale, causal):
     lse = _backend.empty((heads, tokens), q.dtype, xp)
     tiles = _Tiles(q.dtype)
     offs, prefix, blocks = _tables(offsets, q, tiles.block_rows)
+    k_offs = _kernels.device_constant(k_offsets, q)
     kernel = _function("fwd", q, q.dtype, chunk)
     # q rows, two key tiles, two value tiles (double-buffered), the warps' probabilities.
     shared = _kernels.dynamic_shared(
@@ -102,14 +104,14 @@ def forward(q, k, v, offsets, scale, causal):
         q, "segmented_attention")
     kernel(
         _kernels.grid(blocks, heads, what="segmented_attention"), (THREADS,),
-        (q, k, v, offs, prefix, out, lse, np.int64(offsets.size - 1), np.int64(tokens),
+        (q, k, v, offs, k_offs, prefix, out, lse, np.int64(offsets.size - 1), np.int64(tokens),
          np.int64(heads), np.int64(kv_heads), np.int64(dim), np.int64(dim_v),
          q.dtype.type(scale), np.int32(causal)),
         shared_mem=shared)
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, offsets, scale, causal):
+def backward(dout, q, k, v, out, lse, offsets, k_offsets, scale, causal):
     """Recompute probabilities from ``lse`` -> (dq, dk, dv) shaped like q, k, v."""
     xp = _backend.array_module(q)
     tokens, heads, dim = q.shape
@@ -118,6 +120,7 @@ def backward(dout, q, k, v, out, lse, offsets, scale, causal):
     dtype = q.dtype.type
     tiles = _Tiles(q.dtype)
     offs, prefix, blocks = _tables(offsets, q, tiles.block_rows)
+    k_offs, k_prefix, k_blocks = _tables(k_offsets, q, tiles.block_rows)
     # Rows of q and dout (or k and v) per block plus two tiles of the other pair.
     rows = tiles.block_rows + 2 * tiles.tile_rows
     delta = _backend.empty((heads, tokens), q.dtype, xp)
@@ -129,15 +132,15 @@ def backward(dout, q, k, v, out, lse, offsets, scale, causal):
     dq = _backend.empty(q.shape, q.dtype, xp)
     kernel = _function("bwd_dq", q, q.dtype, chunk)
     kernel(_kernels.grid(blocks, heads, what="segmented_attention's backward"), (THREADS,),
-           (dout, q, k, v, lse, delta, offs, prefix, dq) + dims,
+           (dout, q, k, v, lse, delta, offs, k_offs, prefix, dq) + dims,
            shared_mem=_kernels.dynamic_shared(
                kernel, tiles.bytes(rows * (tiles.stride(dim) + tiles.stride(dim_v)),
                                    tiles.warp_tiles), q, "segmented_attention's backward"))
     dk = _backend.empty(k.shape, k.dtype, xp)
     dv = _backend.empty(v.shape, v.dtype, xp)
     kernel = _function("bwd_dkdv", q, q.dtype, chunk)
-    kernel(_kernels.grid(blocks, kv_heads, what="segmented_attention's backward"), (THREADS,),
-           (dout, q, k, v, lse, delta, offs, prefix, dk, dv) + dims,
+    kernel(_kernels.grid(k_blocks, kv_heads, what="segmented_attention's backward"), (THREADS,),
+           (dout, q, k, v, lse, delta, offs, k_offs, k_prefix, dk, dv) + dims,
            shared_mem=_kernels.dynamic_shared(
                kernel, tiles.bytes(rows * (tiles.stride(dim) + tiles.stride(dim_v)),
                                    2 * tiles.warp_tiles, 4 * tiles.tile_rows),

@@ -26,6 +26,11 @@ block and ``dq`` of the segment are owned by the item, so there are no atomics; 
 write per-query-head ``dk``/``dv`` partials that are summed over each group in a fixed order, so
 results are bitwise deterministic whatever the thread count.
 
+Keys may have segments of their own (``k_offsets``): items carry their key range, and the
+causal mask is aligned bottom-right (query ``p`` sees keys up to ``p + shift``, ``shift`` = key
+segment end - query segment end); a row that sees no key keeps a zero state and gets out 0 and
+lse -inf. Segments of few queries against their own keys (decoding) run ``_numba_decode.py``.
+
 Work items are sorted by cost and dealt to one slot per thread (``_schedule``): segments of
 very different lengths would otherwise leave threads idle under Numba's static chunking. The
 BLAS is held at one thread during a call (``lowbit._backend.single_threaded_blas``) because the
@@ -41,6 +46,7 @@ import numpy as np
 
 from ... import _backend
 from ..packed_matmul._numba import _fma
+from . import _numba_decode
 from ._numba_softmax import _column_max, _exp_columns, _probabilities_and_dscores
 
 # The AVX-512 kernels call the tiles of ``_fma.py``, which Numba's cache does not key on.
@@ -81,6 +87,7 @@ def _forward(q, kt, vt, items, order, slots, scale, causal, group, out, lse):
         for pos in range(slots[slot], slots[slot + 1]):
             it = order[pos]
             h, q0, q1, s0, s1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3], items[it, 4]
+            shift = items[it, 5]
             g = h // group
             rows = q1 - q0
             qs = np.empty((rows, dim), q.dtype)
@@ -93,28 +100,23 @@ def _forward(q, kt, vt, items, order, slots, scale, causal, group, out, lse):
             acc = np.zeros((rows, dv), q.dtype)
             pv = _matrix(products, rows, dv)
             # Causal: the keys after the block's last query are seen by none of its rows.
-            stop = q1 if causal else s1
+            stop = _key_stop(q1, s1, shift, causal)
             for k0 in range(s0, stop, CHUNK_K):
                 k1 = min(k0 + CHUNK_K, stop)
                 # Scores [keys, queries], then probabilities in place.
                 block = _matrix(scores, k1 - k0, rows)
                 np.dot(kt[g, k0:k1], qs.T, block)
                 alpha[:] = m
-                _column_max(block, m, q0 - k0, causal)
+                _column_max(block, m, q0 + shift - k0, causal)
                 for r in range(rows):
-                    # Every row sees key s0 in the first chunk, so m is finite from there on.
-                    alpha[r] = np.exp(alpha[r] - m[r])
+                    alpha[r] = _rescale(alpha[r], m[r])
                     den[r] *= alpha[r]
-                _exp_columns(block, m, den, q0 - k0, causal)
+                _exp_columns(block, m, den, q0 + shift - k0, causal)
                 np.dot(block.T, vt[g, k0:k1], pv)
                 for r in range(rows):
                     for d in range(dv):
                         acc[r, d] = acc[r, d] * alpha[r] + pv[r, d]
-            for r in range(rows):
-                inv = 1 / den[r]
-                for d in range(dv):
-                    out[q0 + r, h, d] = acc[r, d] * inv
-                lse[h, q0 + r] = m[r] + np.log(den[r])
+            _finish(acc, m, den, rows, q0, h, out, lse)
 
 
 @numba.njit(parallel=True, cache=True)
@@ -127,7 +129,9 @@ def _backward(dout, q, kt, vt, out, lse, items, order, slots, scale, causal, gro
         products = np.empty(max(BACKWARD_K, BACKWARD_Q) * max(dim, dv), q.dtype)
         for pos in range(slots[slot], slots[slot + 1]):
             it = order[pos]
-            h, s0, s1 = items[it, 0], items[it, 1], items[it, 2]
+            h, s0, s1, k_start, k_stop = (items[it, 0], items[it, 1], items[it, 2], items[it, 3],
+                                          items[it, 4])
+            shift = k_stop - s1
             g = h // group
             length = s1 - s0
             # Scores use q * scale, so dk = dS^T (q * scale) directly; dq is scaled at the end.
@@ -141,14 +145,14 @@ def _backward(dout, q, kt, vt, out, lse, items, order, slots, scale, causal, gro
                     do[r, d] = dout[s0 + r, h, d]
                     delta[r] += dout[s0 + r, h, d] * out[s0 + r, h, d]
             dq_acc = np.zeros((length, dim), q.dtype)
-            for k0 in range(s0, s1, key_block):
-                k1 = min(k0 + key_block, s1)
+            for k0 in range(k_start, k_stop, key_block):
+                k1 = min(k0 + key_block, k_stop)
                 cols = k1 - k0
                 kb, vb = kt[g, k0:k1], vt[g, k0:k1]
                 dk_acc = np.zeros((cols, dim), q.dtype)
                 dv_acc = np.zeros((cols, dv), q.dtype)
                 # Causal: the queries before the key block see none of it.
-                for r0 in range(k0 - s0 if causal else 0, length, BACKWARD_Q):
+                for r0 in range(_first_query(k0, s0, shift, causal), length, BACKWARD_Q):
                     r1 = min(r0 + BACKWARD_Q, length)
                     rows = r1 - r0
                     # Scores and dP [keys, queries], then probabilities and dS in place.
@@ -157,7 +161,7 @@ def _backward(dout, q, kt, vt, out, lse, items, order, slots, scale, causal, gro
                     np.dot(kb, qs[r0:r1].T, p)
                     np.dot(vb, do[r0:r1].T, ds)
                     _probabilities_and_dscores(p, ds, lse[h, s0 + r0:s0 + r1], delta[r0:r1],
-                                               s0 + r0 - k0, causal)
+                                               s0 + r0 + shift - k0, causal)
                     _add_product(dv_acc, p, do[r0:r1], products)
                     _add_product(dk_acc, ds, qs[r0:r1], products)
                     _add_product(dq_acc[r0:r1], ds.T, kb, products)
@@ -166,6 +170,46 @@ def _backward(dout, q, kt, vt, out, lse, items, order, slots, scale, causal, gro
             for r in range(length):
                 for d in range(dim):
                     dq[s0 + r, h, d] = dq_acc[r, d] * scale
+
+
+@numba.njit(cache=True)
+def _key_stop(q1, k_stop, shift, causal):
+    """End of the keys that queries before ``q1`` see: causally none past ``q1 - 1 + shift``
+    (``shift`` = key segment end - query segment end: bottom-right alignment)."""
+    return max(0, min(k_stop, q1 + shift)) if causal else k_stop
+
+
+@numba.njit(cache=True)
+def _first_query(k0, s0, shift, causal):
+    """First query (segment-relative, from ``s0``) that sees key ``k0``: causally those with
+    ``s0 + r + shift >= k0``."""
+    return max(0, k0 - shift - s0) if causal else 0
+
+
+@numba.njit(cache=True)
+def _rescale(old, new):
+    """exp(old - new): the online softmax's rescaling; 1 for a row that has seen no key yet
+    (both -inf), whose state is all zeros."""
+    if new == -np.inf:
+        return 1.0
+    return np.exp(old - new)
+
+
+@numba.njit(cache=True)
+def _finish(acc, m, den, rows, q0, h, out, lse):
+    """out = acc / den and lse = m + log(den) of a block's rows; a row that saw no key (den 0)
+    gets out 0 and lse -inf."""
+    dv = out.shape[2]
+    for r in range(rows):
+        if den[r] == 0:
+            for d in range(dv):
+                out[q0 + r, h, d] = 0
+            lse[h, q0 + r] = -np.inf
+            continue
+        inv = 1 / den[r]
+        for d in range(dv):
+            out[q0 + r, h, d] = acc[r, d] * inv
+        lse[h, q0 + r] = m[r] + np.log(den[r])
 
 
 @numba.njit(cache=True)
@@ -224,6 +268,7 @@ def _forward_fma(q, kt, vp, items, order, slots, scale, causal, group, out, lse)
         for pos in range(slots[slot], slots[slot + 1]):
             it = order[pos]
             h, q0, q1, s0, s1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3], items[it, 4]
+            shift = items[it, 5]
             g = h // group
             rows = q1 - q0
             wide = -(-rows // lanes) * lanes
@@ -232,25 +277,21 @@ def _forward_fma(q, kt, vp, items, order, slots, scale, causal, group, out, lse)
             alpha = np.empty(wide, np.float32)
             den = np.zeros(wide, np.float32)
             acc[:wide] = 0
-            stop = q1 if causal else s1
+            stop = _key_stop(q1, s1, shift, causal)
             for k0 in range(s0, stop, CHUNK_K):
                 k1 = min(k0 + CHUNK_K, stop)
                 block = _matrix(scores, k1 - k0, wide)
                 _scores(kt[g, k0:k1], k1 - k0, qt, 0, block)
                 alpha[:] = m
-                _column_max(block, m, q0 - k0, causal)
+                _column_max(block, m, q0 + shift - k0, causal)
                 for r in range(wide):
-                    alpha[r] = np.exp(alpha[r] - m[r])
+                    alpha[r] = _rescale(alpha[r], m[r])
                     den[r] *= alpha[r]
                     acc[r] *= alpha[r]
-                _exp_columns(block, m, den, q0 - k0, causal)
+                _exp_columns(block, m, den, q0 + shift - k0, causal)
                 # out's rows are the query lanes: A = block^T, read down its columns.
                 _accumulate(acc, block, wide, 1, wide, k1 - k0, vp[g], k0)
-            for r in range(rows):
-                inv = 1 / den[r]
-                for d in range(dv):
-                    out[q0 + r, h, d] = acc[r, d] * inv
-                lse[h, q0 + r] = m[r] + np.log(den[r])
+            _finish(acc, m, den, rows, q0, h, out, lse)
 
 
 @numba.njit(parallel=True, cache=True)
@@ -264,7 +305,9 @@ def _backward_fma(dout, q, kt, vt, kp, out, lse, items, order, slots, scale, cau
         dv_acc = np.empty((BACKWARD_K, -(-dv // lanes) * lanes), np.float32)
         for pos in range(slots[slot], slots[slot + 1]):
             it = order[pos]
-            h, s0, s1 = items[it, 0], items[it, 1], items[it, 2]
+            h, s0, s1, k_start, k_stop = (items[it, 0], items[it, 1], items[it, 2], items[it, 3],
+                                          items[it, 4])
+            shift = k_stop - s1
             g = h // group
             length = s1 - s0
             wide = -(-length // lanes) * lanes
@@ -279,28 +322,29 @@ def _backward_fma(dout, q, kt, vt, kp, out, lse, items, order, slots, scale, cau
             _pack_rows(q, s0, length, h, scale, qp)
             _pack_rows(dout, s0, length, h, 1, dop)
             delta = np.zeros(wide, np.float32)
-            shift = np.zeros(wide, np.float32)
+            lse_row = np.zeros(wide, np.float32)
             for r in range(length):
-                shift[r] = lse[h, s0 + r]
+                lse_row[r] = lse[h, s0 + r]
                 for d in range(dv):
                     delta[r] += dout[s0 + r, h, d] * out[s0 + r, h, d]
             dq_acc = np.zeros((wide, dk_acc.shape[1]), np.float32)
-            for k0 in range(s0, s1, key_block):
-                k1 = min(k0 + key_block, s1)
+            for k0 in range(k_start, k_stop, key_block):
+                k1 = min(k0 + key_block, k_stop)
                 cols = k1 - k0
                 kb, vb = kt[g, k0:k1], vt[g, k0:k1]
                 dk_acc[:cols] = 0
                 dv_acc[:cols] = 0
                 # Causal: the query panels before the key block see none of it.
-                for r0 in range((k0 - s0) // lanes * lanes if causal else 0, wide, BACKWARD_Q):
+                for r0 in range(_first_query(k0, s0, shift, causal) // lanes * lanes, wide,
+                                BACKWARD_Q):
                     r1 = min(r0 + BACKWARD_Q, wide)
                     rows = r1 - r0
                     p = _matrix(probs, cols, rows)
                     ds = _matrix(dscores, cols, rows)
                     _scores(kb, cols, qt, r0 // lanes, p)
                     _scores(vb, cols, dot, r0 // lanes, ds)
-                    _probabilities_and_dscores(p, ds, shift[r0:r1], delta[r0:r1], s0 + r0 - k0,
-                                               causal)
+                    _probabilities_and_dscores(p, ds, lse_row[r0:r1], delta[r0:r1],
+                                               s0 + r0 + shift - k0, causal)
                     _accumulate(dv_acc, p, cols, rows, 1, rows, dop, r0)
                     _accumulate(dk_acc, ds, cols, rows, 1, rows, qp, r0)
                     # dq's rows are the query lanes: A = dS^T, read down the columns of ds.
@@ -333,7 +377,8 @@ def _by_head(x):
     return np.ascontiguousarray(x.transpose(1, 0, 2))
 
 
-def _forward_items(offsets, heads, causal):
+def _forward_items(offsets, k_offsets, heads, causal):
+    """Rows (h, q0, q1, key start, key stop, shift = key stop - query segment end) and costs."""
     size = BLOCK_Q_CAUSAL if causal else BLOCK_Q
     starts, stops = offsets[:-1], offsets[1:]
     blocks = -(-(stops - starts) // size)
@@ -341,11 +386,12 @@ def _forward_items(offsets, heads, causal):
     first = np.repeat(np.cumsum(blocks) - blocks, blocks)
     q0 = starts[seg] + (np.arange(seg.size) - first) * size
     q1 = np.minimum(q0 + size, stops[seg])
-    per_head = np.stack([q0, q1, starts[seg], stops[seg]], axis=1)
+    k0, k1 = k_offsets[:-1][seg], k_offsets[1:][seg]
+    per_head = np.stack([q0, q1, k0, k1, k1 - stops[seg]], axis=1)
     items = np.concatenate([np.column_stack([np.full(seg.size, h), per_head])
-                            for h in range(heads)]).astype(np.int64)
-    keys = (items[:, 2] if causal else items[:, 4]) - items[:, 3]
-    return items, (items[:, 2] - items[:, 1]) * keys
+                            for h in range(heads)]).astype(np.int64).reshape(-1, 6)
+    stop = np.clip(items[:, 2] + items[:, 5], items[:, 3], items[:, 4]) if causal else items[:, 4]
+    return items, (items[:, 2] - items[:, 1]) * (stop - items[:, 3])
 
 
 def _panels(x):
@@ -359,12 +405,14 @@ def _panels(x):
         padded.reshape(heads, tokens, count, _fma.PANEL).transpose(0, 2, 1, 3))
 
 
-def forward(q, k, v, offsets, scale, causal):
-    """q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv] -> (out [T, H, Dv], lse [H, T])."""
+def forward(q, k, v, offsets, k_offsets, scale, causal):
+    """q [Tq, H, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv] -> (out [Tq, H, Dv], lse [H, Tq])."""
+    if _numba_decode.takes(offsets, k_offsets):
+        return _numba_decode.forward(q, k, v, offsets, k_offsets, scale, causal)
     tokens, heads, _ = q.shape
     out = _backend.empty((tokens, heads, v.shape[2]), q.dtype)
     lse = _backend.empty((heads, tokens), q.dtype)
-    items, costs = _forward_items(offsets, heads, causal)
+    items, costs = _forward_items(offsets, k_offsets, heads, causal)
     order, slots = _schedule(costs, numba.get_num_threads())
     if USE_FMA and q.dtype == np.float32:
         _forward_fma(*_backend.read_only(q, _by_head(k), _panels(v)), items, order, slots,
@@ -376,19 +424,20 @@ def forward(q, k, v, offsets, scale, causal):
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, offsets, scale, causal):
+def backward(dout, q, k, v, out, lse, offsets, k_offsets, scale, causal):
     """Recompute probabilities from ``lse`` block by block -> (dq, dk, dv) like q, k, v."""
     tokens, heads, dim = q.shape
-    kv_heads, dv_dim = k.shape[1], v.shape[2]
+    k_tokens, kv_heads, dv_dim = k.shape[0], k.shape[1], v.shape[2]
     group = heads // kv_heads
-    lengths = np.diff(offsets)
+    lengths, k_lengths = np.diff(offsets), np.diff(k_offsets)
     items = np.stack([np.repeat(np.arange(heads), lengths.size),
-                      np.tile(offsets[:-1], heads), np.tile(offsets[1:], heads)],
+                      np.tile(offsets[:-1], heads), np.tile(offsets[1:], heads),
+                      np.tile(k_offsets[:-1], heads), np.tile(k_offsets[1:], heads)],
                      axis=1).astype(np.int64)
-    order, slots = _schedule(np.tile(lengths, heads) ** 2, numba.get_num_threads())
+    order, slots = _schedule(np.tile(lengths * k_lengths, heads), numba.get_num_threads())
     dq = _backend.empty(q.shape, q.dtype)
-    dk_part = np.empty((heads, tokens, dim), q.dtype)
-    dv_part = np.empty((heads, tokens, dv_dim), q.dtype)
+    dk_part = np.empty((heads, k_tokens, dim), q.dtype)
+    dv_part = np.empty((heads, k_tokens, dv_dim), q.dtype)
     key_block = BACKWARD_K_CAUSAL if causal else BACKWARD_K
     if USE_FMA and q.dtype == np.float32:
         _backward_fma(*_backend.read_only(dout, q, _by_head(k), _by_head(v), _panels(k), out, lse),
@@ -402,6 +451,6 @@ def backward(dout, q, k, v, out, lse, offsets, scale, causal):
     dk = _backend.empty(k.shape, k.dtype)
     dv = _backend.empty(v.shape, v.dtype)
     # The group's partials add in head order: the same sum whatever the thread count.
-    dk[...] = dk_part.reshape(kv_heads, group, tokens, dim).sum(axis=1).transpose(1, 0, 2)
-    dv[...] = dv_part.reshape(kv_heads, group, tokens, dv_dim).sum(axis=1).transpose(1, 0, 2)
+    dk[...] = dk_part.reshape(kv_heads, group, k_tokens, dim).sum(axis=1).transpose(1, 0, 2)
+    dv[...] = dv_part.reshape(kv_heads, group, k_tokens, dv_dim).sum(axis=1).transpose(1, 0, 2)
     return dq, dk, dv

@@ -7,10 +7,14 @@ this package:
 - ``_vnni.py``: AVX-512 VNNI GEMV and register-tile GEMM, together with the LLVM intrinsics they
   are built from (exact int32; used wherever ``USE_VNNI``), and the same GEMM reading the weight
   across its packed rows for the dx of int8 gradients (``gemm_dx``);
+- ``_avx2.py``: the same GEMV and GEMM on 256-bit vectors, ``vpmaddubsw`` on AVX2 or the
+  VEX ``vpdpbusd`` on AVX-VNNI (exact int32; used where ``USE_AVX2`` and not ``USE_VNNI``:
+  AVX2 CPUs without AVX-512, such as Intel's laptop CPUs from Alder Lake on and AMD's before
+  Zen 4);
 - ``_fma.py``: AVX-512 float32 register-tile GEMMs of the exact backward, ``dx`` decoding the
   packed codes into its panels and ``dw`` (used wherever ``_fma.AVAILABLE``);
 - ``_llvm.py``: the IR helpers both files' intrinsics are emitted with;
-- ``_gemv.py``: the portable GEMV over packed bytes (few rows, no VNNI);
+- ``_gemv.py``: the portable GEMV over packed bytes (few rows, no VNNI, no AVX2);
 - ``_gemm_f64.py``: the portable GEMM, exact integer products in float64 BLAS with three weight
   columns to a float, and its per-thread workspaces (more rows, no VNNI);
 - ``_decode.py``: the weight decodings (float32 codes for the float BLAS tiles, packed float64
@@ -35,7 +39,7 @@ _backend.numba_cache_guard(__file__, _quantize.__file__)
 
 from ...quantize import WEIGHT_FORMATS as _BITS  # noqa: E402
 from .. import _numpy  # noqa: E402
-from . import _backward, _decode, _fma, _gemm_f64, _gemv, _vnni  # noqa: E402
+from . import _avx2, _backward, _decode, _fma, _gemm_f64, _gemv, _vnni  # noqa: E402
 
 #: Whether the integer GEMV and GEMM use the AVX-512 VNNI kernels (the CPU has them); the portable
 #: loops and the float64 BLAS GEMM otherwise.
@@ -46,6 +50,11 @@ GEMV_MAX_ROWS = 8
 #: (~1.9 ms at K = N = 4096), the GEMV costs ~0.08 ms a row (measured: 16 rows 1.4 ms against
 #: 2.5 ms).
 VNNI_GEMV_MAX_ROWS = 16
+#: Whether the integer GEMV and GEMM use the 256-bit kernels of ``_avx2.py`` where the AVX-512
+#: VNNI ones cannot run (the CPU has AVX2; ``_avx2.AVX_VNNI`` says whether with ``vpdpbusd``).
+USE_AVX2 = _avx2.AVAILABLE
+#: Rows at or below which the AVX2 GEMV runs instead of its GEMM.
+AVX2_GEMV_MAX_ROWS = 16
 #: Activation elements (M * K) from which ``matmul_dw`` transposes them for the AVX-512 tiles:
 #: read down the columns of a large A the tiles' loads conflict in L1 (one core, M = 256,
 #: K = N = 4096: dw 42 ms, transposed 36 + 2 ms), while for a small one the transpose costs more
@@ -57,7 +66,8 @@ TILE_N = 512
 
 def matmul_int(codes_x, scale_x, data, scale_w, format, K):
     """``_numpy.matmul_int``'s contract, bit for bit: exact int32 products by the VNNI kernels,
-    or the portable GEMV (few rows) and float64-field BLAS GEMM."""
+    the 256-bit AVX2 / AVX-VNNI ones, or the portable GEMV (few rows) and float64-field BLAS
+    GEMM."""
     M = codes_x.shape[0]
     N = data.shape[0]
     y = _backend.empty((M, N), np.float32)
@@ -67,6 +77,11 @@ def matmul_int(codes_x, scale_x, data, scale_w, format, K):
             _vnni.gemv(codes_x, scale_x, data, scale_w, _BITS[format], y)
         else:
             _vnni.gemm(codes_x, scale_x, data, scale_w, _BITS[format], K, y)
+    elif USE_AVX2:
+        if M <= AVX2_GEMV_MAX_ROWS:
+            _avx2.gemv(codes_x, scale_x, data, scale_w, _BITS[format], y)
+        else:
+            _avx2.gemm(codes_x, scale_x, data, scale_w, _BITS[format], K, y)
     elif M <= GEMV_MAX_ROWS:
         _gemv.gemv(codes_x, scale_x, data, scale_w, format, y)
     else:

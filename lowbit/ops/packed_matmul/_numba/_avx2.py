@@ -1,0 +1,545 @@
+"""AVX2 and AVX-VNNI (256-bit) kernels of the numba packed matmul, with their LLVM intrinsics.
+
+Siblings in ``lowbit/ops/packed_matmul/_numba/``: ``__init__.py`` (the choice of kernel),
+``_vnni.py`` (the AVX-512 VNNI kernels these follow, and ``_planes``, the activation layout both
+use), ``_gemv.py`` / ``_gemm_f64.py`` (portable), ``_llvm.py`` (the IR helpers). The intrinsics
+and the kernels that call them share this file for Numba's cache (see ``_vnni.py``). Every
+variant is chosen when the module is imported, from the features of the CPU Numba compiles for
+(``AVAILABLE``: AVX2; ``AVX_VNNI``: the 256-bit ``vpdpbusd``, LLVM feature ``+avxvnni``); that
+feature list is part of the key of every cached kernel, so a cache never mixes them.
+
+Products (exact int32; ``u``: the unsigned weight operand, ``x``: int8 activation codes):
+
+- AVX2, 2- and 1-bit fields: ``vpmaddubsw`` (u8 x s8, adjacent pairs summed into int16 with
+  saturation) then ``vpmaddwd`` with ones into int32. A field is at most 3 (1), a code at least
+  -128 in magnitude, so a pair is at most 2 * 3 * 128 = 768 (256): no saturation, and sums of up
+  to ``floor(32767 / 768) = 42`` (127) such int16 lanes stay exact before they are widened;
+- AVX2, int8 weights: ``vpmaddubsw`` cannot take them (with the sign bit flipped a pair reaches
+  2 * 255 * 128 > 32767, and ``|w|`` with the sign moved onto ``x`` fails at -128), so both
+  operands are sign-extended to int16 (``vpmovsxbw``) and multiplied by ``vpmaddwd``: a pair is
+  at most 2 * 128 * 128 = 32768 in magnitude, which int32 holds (``vpmaddwd`` saturates only
+  when all four inputs are -32768);
+- AVX-VNNI: ``vpdpbusd`` (four u8 x s8 products added to an int32 lane, no saturation), the
+  intrinsic ``llvm.x86.avx512.vpdpbusd.256``, which LLVM encodes with VEX (``{vex} vpdpbusd``
+  on ymm registers) when the target has ``+avxvnni`` and not AVX-512 VL; int8 weights as in
+  ``_vnni.py``, with the sign bit flipped (raw sum offset by ``128 * sum(x)``).
+
+GEMV (``gemv``, few rows): per block of packed bytes each field is masked out (shift + and) and
+multiplied with its activation plane ``plane[j][g] = codes_x[per * g + j]``; the AVX2 products of
+one block are summed in int16 (at most 8 pairs: exact by the bounds above) and widened once.
+``dot_rows(bits, rows)`` reads a weight block once for ``rows`` activation rows.
+
+GEMM (``gemm``, more rows): the codes of each panel of 16 output columns are spread to one byte
+each, four consecutive K to a 32-bit word (int8 weights on AVX2: two int16 to a word, against
+int16 activation codes), and a 6 x 16 register tile (12 ymm accumulators) runs over all of K
+with one broadcast word per row and step. AVX2 2- and 1-bit: ``vpmaddubsw`` into int16
+accumulators for a bounded run of steps, then ``vpmaddwd`` with ones into the int32 tile kept
+in memory.
+"""
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ._llvm import counted_loop, host_features, is_array, ptr
+from ._vnni import _planes
+
+_FEATURES = host_features()
+#: True when the target CPU has AVX2 (256-bit integer vectors, ``vpmaddubsw``).
+AVAILABLE = "+avx2" in _FEATURES
+#: True when it also has AVX-VNNI (the VEX-encoded 256-bit ``vpdpbusd``).
+AVX_VNNI = AVAILABLE and "+avxvnni" in _FEATURES
+
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_V8 = ir.VectorType(_I32, 8)
+_B32 = ir.VectorType(_I8, 32)
+_W16 = ir.VectorType(_I16, 16)
+_BYTES = 32
+
+#: Weight bytes of one GEMV loop iteration, by field bits.
+BLOCK_BYTES = {2: 64, 1: 32, 8: 128 if AVX_VNNI else 64}
+#: What ``gemv`` and ``gemm`` subtract per activation code from an int8-weight raw sum (the
+#: sign flip of ``vpdpbusd``; the AVX2 int16 products need none).
+INT8_OFFSET = 128 if AVX_VNNI else 0
+#: Longest run of ``vpmaddubsw`` results an int16 lane sums exactly, by field bits.
+INT16_STEPS = {2: 32767 // (2 * 3 * 128), 1: 32767 // (2 * 1 * 128)}
+
+
+def _splat(ty, value):
+    return ir.Constant(ty, [value] * ty.count)
+
+
+def _call(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module,
+                                        ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _maddubs(builder, u, s):
+    """int16 pairs of u8 x s8 products (32 bytes each)."""
+    return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16,
+                 [builder.bitcast(u, _B32), builder.bitcast(s, _B32)])
+
+
+def _madd(builder, a, b):
+    """int32 pairs of int16 products."""
+    return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8, [a, b])
+
+
+def _widen(builder, w16):
+    """int32 sums of adjacent int16 lanes."""
+    return _madd(builder, w16, _splat(_W16, 1))
+
+
+def _dpbusd(builder, acc, u, s):
+    """acc + the sums of four u8 x s8 products per int32 lane (AVX-VNNI)."""
+    return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _V8, [acc, u, s])
+
+
+def _sext16(builder, base, offset):
+    """16 int8 at byte ``offset`` from ``base``, sign-extended to int16."""
+    v = builder.load(ptr(builder, base, offset, ir.VectorType(_I8, 16)), align=1)
+    return builder.sext(v, _W16)
+
+
+def _field(builder, w, bits, j):
+    """Field j of 32 packed bytes masked to the low bits of each byte (int8 codes: the bytes
+    with their sign bit flipped)."""
+    if bits == 8:
+        return builder.xor(w, _splat(_V8, 0x80808080 - (1 << 32)))
+    mask = {2: 0x03030303, 1: 0x01010101}[bits]
+    return builder.and_(builder.lshr(w, _splat(_V8, bits * j)) if j else w, _splat(_V8, mask))
+
+
+def _tree_sum(builder, values):
+    while len(values) > 1:
+        values = [builder.add(values[i], values[i + 1]) if i + 1 < len(values) else values[i]
+                  for i in range(0, len(values), 2)]
+    return values[0]
+
+
+def _reduce(builder, v):
+    return _call(builder, "llvm.vector.reduce.add.v8i32", _I32, [v])
+
+
+def dot_rows(bits, rows):
+    """Intrinsic ``dot(planes, m0, row, start, niter)``: the raw sums of ``rows`` activation rows
+    with one packed weight row, an int32 (rows 1) or a tuple of int32.
+
+    ``planes``: C-contiguous int8 ``[M, fields, >= len(row)]`` (``_vnni._planes``), rows
+    ``m0 .. m0 + rows``; ``row``: contiguous uint8; the sums run over ``niter *
+    BLOCK_BYTES[bits]`` bytes from byte ``start``: ``sum_g sum_j field_j(row[g]) * planes[m, j,
+    g]``, for
+    int8 weights ``sum_g (row[g] + INT8_OFFSET) * planes[m, 0, g]`` (row as int8).
+    """
+    fields = 8 // bits if bits < 8 else 1
+    block = BLOCK_BYTES[bits]
+    vectors = block // _BYTES
+    ret = types.int32 if rows == 1 else types.UniTuple(types.int32, rows)
+
+    @intrinsic
+    def dot(typingctx, planes, m0, row, start, niter):
+        if not (is_array(planes, 3, (types.int8,))
+                and is_array(row, 1, (types.uint8, types.int8))):
+            return None
+        sig = ret(planes, types.intp, row, types.intp, types.intp)
+
+        def codegen(context, builder, signature, args):
+            pl = context.make_array(signature.args[0])(context, builder, args[0])
+            rw = context.make_array(signature.args[2])(context, builder, args[2])
+            intp = context.get_value_type(types.intp)
+            s0, s1, _ = cgutils.unpack_tuple(builder, pl.strides, 3)
+
+            def const(value):
+                return ir.Constant(intp, value)
+
+            at = [[ptr(builder, pl.data, builder.add(
+                builder.mul(s0, builder.add(args[1], const(r))), builder.mul(s1, const(j))))
+                for j in range(fields)] for r in range(rows)]
+            chains = fields * vectors if AVX_VNNI else (2 if bits == 8 else 1)
+
+            def step(it, accs):
+                start = builder.add(args[3], builder.mul(it, const(block)))
+                offs = [builder.add(start, const(v * _BYTES)) for v in range(vectors)]
+                new = list(accs)
+                if bits == 8 and not AVX_VNNI:
+                    halves = [builder.add(o, const(h)) for o in offs for h in (0, 16)]
+                    ws = [_sext16(builder, rw.data, o) for o in halves]
+                    for r in range(rows):
+                        for i, o in enumerate(halves):
+                            c = r * chains + i % chains
+                            new[c] = builder.add(new[c], _madd(
+                                builder, ws[i], _sext16(builder, at[r][0], o)))
+                    return new
+                us = [[_field(builder, builder.load(ptr(builder, rw.data, o, _V8), align=1),
+                              bits, j) for j in range(fields)] for o in offs]
+                for r in range(rows):
+                    prods = []
+                    for v, o in enumerate(offs):
+                        for j in range(fields):
+                            x = builder.load(ptr(builder, at[r][j], o, _V8), align=1)
+                            if AVX_VNNI:
+                                c = r * chains + v * fields + j
+                                new[c] = _dpbusd(builder, new[c], us[v][j], x)
+                            else:
+                                prods.append(_maddubs(builder, us[v][j], x))
+                    if prods:  # at most 8 pairs of <= 768: exact in int16
+                        new[r] = builder.add(new[r], _widen(builder, _tree_sum(builder, prods)))
+                return new
+
+            accs = counted_loop(builder, intp, args[4], [_splat(_V8, 0)] * (rows * chains),
+                                step, "dot")
+            sums = [_reduce(builder, _tree_sum(builder, accs[r * chains:(r + 1) * chains]))
+                    for r in range(rows)]
+            if rows == 1:
+                return sums[0]
+            return context.make_tuple(builder, signature.return_type, sums)
+
+        return sig, codegen
+
+    return dot
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMV
+_DOT = {(bits, rows): dot_rows(bits, rows) for bits in (2, 1, 8) for rows in (1, 4)}
+_D21, _D24, _D11, _D14, _D81, _D84 = (_DOT[b, r] for b in (2, 1, 8) for r in (1, 4))
+
+
+@numba.njit(cache=True)
+def _tail(raw, pl, row, start, bits, offset, xs, sx, sw):
+    """float32(acc) * sx * sw from the raw block sum plus the tail bytes from ``start``."""
+    fields = pl.shape[0]
+    mask = (1 << bits) - 1
+    for g in range(start, row.shape[0]):
+        if bits == 8:
+            raw += (np.int32(np.int8(row[g])) + offset) * np.int32(pl[0, g])
+        else:
+            b = np.int32(row[g])
+            for j in range(fields):
+                raw += ((b >> (bits * j)) & mask) * np.int32(pl[j, g])
+    # int32 wrap-around throughout: exact whenever the true sum fits in int32
+    acc = np.int32(np.int64(raw) * (2 if bits == 1 else 1) - xs)
+    return (np.float32(acc) * sx) * sw
+
+
+#: Output columns of one GEMV task, and the bytes of activation planes one pass over a chunk
+#: of K keeps (in L2) while it runs down those columns (16 KB chunks, for L1, measured slower:
+#: 16 rows x 4096 x 4096 ternary 6.1 against 4.3 ms on one core, the per-call overhead of the
+#: short runs).
+GEMV_COLUMNS = 64
+GEMV_PLANE_BYTES = 1 << 18
+
+
+@numba.njit(parallel=True, cache=True)
+def _gemv_kernel(planes, data, bits, block, chunk, offset, xsum, scale_x, scale_w, out):
+    """out[m, n] = float32(acc) * scale_x[m] * scale_w[n] (``_vnni._gemv_kernel``'s contract).
+
+    Parallel over groups of GEMV_COLUMNS weight rows; K runs in chunks of ``chunk`` packed bytes
+    (a multiple of ``block``) so that the rows' planes of one chunk stay in cache while each
+    weight row of the group meets up to four activation rows at a time.
+    """
+    M = planes.shape[0]
+    N, nbytes = data.shape
+    whole = nbytes // block * block
+    stride = 1 if scale_w.shape[0] > 1 else 0
+    C = GEMV_COLUMNS
+    for p in numba.prange((N + C - 1) // C):
+        n0 = p * C
+        width = min(C, N - n0)
+        acc = np.zeros((M, C), np.int32)
+        for c0 in range(0, whole, chunk):
+            niter = min(chunk, whole - c0) // block
+            for j in range(width):
+                row = data[n0 + j]
+                m = 0
+                while m + 4 <= M:
+                    if bits == 2:
+                        t = _D24(planes, m, row, c0, niter)
+                    elif bits == 1:
+                        t = _D14(planes, m, row, c0, niter)
+                    else:
+                        t = _D84(planes, m, row, c0, niter)
+                    acc[m, j] += t[0]
+                    acc[m + 1, j] += t[1]
+                    acc[m + 2, j] += t[2]
+                    acc[m + 3, j] += t[3]
+                    m += 4
+                for r in range(m, M):
+                    if bits == 2:
+                        acc[r, j] += _D21(planes, r, row, c0, niter)
+                    elif bits == 1:
+                        acc[r, j] += _D11(planes, r, row, c0, niter)
+                    else:
+                        acc[r, j] += _D81(planes, r, row, c0, niter)
+        for j in range(width):
+            n = n0 + j
+            row = data[n]
+            sw = scale_w[n * stride]
+            for m in range(M):
+                out[m, n] = _tail(acc[m, j], planes[m], row, whole, bits, offset, xsum[m],
+                                  scale_x[m], sw)
+
+
+def gemv(codes_x, scale_x, data, scale_w, bits, out):
+    """out = float32(codes_x @ codes_w) * scale_x[:, None] * scale_w for few rows.
+
+    codes_x: [M, K] int8; data: packed [N, bytes] of ``bits``-bit codes; scale_w: [1] or [N]
+    float32; out: [M, N] float32, overwritten.
+    """
+    per = 8 // bits if bits < 8 else 1
+    offset = INT8_OFFSET if bits == 8 else 1
+    planes = np.empty((codes_x.shape[0], per, data.shape[1]), dtype=np.int8)
+    xsum = np.empty(codes_x.shape[0], dtype=np.int32)
+    _planes(codes_x, per, offset, planes, xsum)
+    block = BLOCK_BYTES[bits]
+    chunk = max(block, GEMV_PLANE_BYTES // (codes_x.shape[0] * per) // block * block)
+    _gemv_kernel(planes, data, bits, block, chunk, offset if bits == 8 else 0, xsum, scale_x,
+                 scale_w, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM
+#: Columns of a GEMM panel, of one register tile (two vectors of eight int32 lanes), and most
+#: rows of a tile.
+PANEL = 64
+SUB = 16
+TILE_ROWS = 6
+
+
+def gemm_tile(rows):
+    """Intrinsic ``tile(a, m0, panel, col0, count, steps, c)``: int32 ``c[:rows, col0:col0 + 16]``
+    = products of ``rows`` rows of activation codes with 16 columns of a panel, over ``count``
+    words of K.
+
+    ``a``: C-contiguous, rows ``m0 .. m0 + rows``; int8 ``[M, >= 4 count]`` against a panel of
+    four unsigned weight bytes a word, or (int8 weights on AVX2) int16 ``[M, >= 2 count]``
+    against two int16 weights a word; ``panel``: C-contiguous uint32 ``[>= count, PANEL]``,
+    ``panel[q, n]`` the word of column ``n`` for K word ``q`` (lowest byte first); ``steps``: how
+    many words the AVX2 ``vpmaddubsw`` sums in int16 before widening (``INT16_STEPS``; unused
+    otherwise); ``c``: C-contiguous int32 ``[>= rows, PANEL]``, columns ``col0 .. col0 + 16``
+    overwritten. Each step loads two weight vectors and broadcasts one word per row.
+    """
+    vectors = SUB // 8
+
+    @intrinsic
+    def tile(typingctx, a, m0, panel, col0, count, steps, c):
+        if not (is_array(a, 2, (types.int8, types.int16))
+                and is_array(panel, 2, (types.uint32,)) and is_array(c, 2, (types.int32,))):
+            return None
+        pairs = a.dtype == types.int16
+        sig = types.void(a, types.intp, panel, types.intp, types.intp, types.intp, c)
+
+        def codegen(context, builder, signature, args):
+            arr_a = context.make_array(signature.args[0])(context, builder, args[0])
+            arr_p = context.make_array(signature.args[2])(context, builder, args[2])
+            arr_c = context.make_array(signature.args[6])(context, builder, args[6])
+            intp = context.get_value_type(types.intp)
+            a_stride = cgutils.unpack_tuple(builder, arr_a.strides, 2)[0]
+            p_stride = cgutils.unpack_tuple(builder, arr_p.strides, 2)[0]
+            c_stride = cgutils.unpack_tuple(builder, arr_c.strides, 2)[0]
+
+            def const(value):
+                return ir.Constant(intp, value)
+
+            col = builder.mul(args[3], const(4))
+            a_rows = [ptr(builder, arr_a.data, builder.mul(builder.add(args[1], const(r)),
+                                                             a_stride)) for r in range(rows)]
+            p_base = ptr(builder, arr_p.data, col)
+            c_at = [[ptr(builder, arr_c.data, builder.add(builder.mul(const(r), c_stride),
+                                                          builder.add(col, const(32 * v))), _V8)
+                     for v in range(vectors)] for r in range(rows)]
+            zero_mask = ir.Constant(_V8, [0] * 8)
+
+            def operands(q):
+                w_row = ptr(builder, p_base, builder.mul(q, p_stride))
+                weights = [builder.load(ptr(builder, w_row, const(32 * v), _V8), align=4)
+                           for v in range(vectors)]
+                xs = []
+                for r in range(rows):
+                    x = builder.load(ptr(builder, a_rows[r], builder.mul(q, const(4)), _I32),
+                                     align=1)
+                    one = builder.insert_element(ir.Constant(_V8, None), x, ir.Constant(_I32, 0))
+                    xs.append(builder.shuffle_vector(one, ir.Constant(_V8, None), zero_mask))
+                return weights, xs
+
+            def step(q, accs):
+                weights, xs = operands(q)
+                new = []
+                for r in range(rows):
+                    for v in range(vectors):
+                        acc = accs[r * vectors + v]
+                        if pairs:
+                            new.append(builder.add(acc, _madd(
+                                builder, builder.bitcast(weights[v], _W16),
+                                builder.bitcast(xs[r], _W16))))
+                        elif AVX_VNNI:
+                            new.append(_dpbusd(builder, acc, weights[v], xs[r]))
+                        else:
+                            new.append(builder.add(acc, _maddubs(builder, weights[v], xs[r])))
+                return new
+
+            if pairs or AVX_VNNI:
+                accs = counted_loop(builder, intp, args[4], [_splat(_V8, 0)] * (rows * vectors),
+                                    step, "tile")
+                for r in range(rows):
+                    for v in range(vectors):
+                        builder.store(accs[r * vectors + v], c_at[r][v], align=4)
+                return context.get_dummy_value()
+
+            # AVX2 bytes: runs of ``steps`` words summed in int16, widened into c
+            for r in range(rows):
+                for v in range(vectors):
+                    builder.store(_splat(_V8, 0), c_at[r][v], align=4)
+            count, run = args[4], args[5]
+            nruns = builder.sdiv(builder.add(count, builder.sub(run, const(1))), run)
+
+            def chunk(i, _):
+                q0 = builder.mul(i, run)
+                left = builder.sub(count, q0)
+                n = builder.select(builder.icmp_signed("<", left, run), left, run)
+                sums = counted_loop(builder, intp, n, [_splat(_W16, 0)] * (rows * vectors),
+                                    lambda q, accs: step(builder.add(q0, q), accs), "run")
+                for r in range(rows):
+                    for v in range(vectors):
+                        old = builder.load(c_at[r][v], align=4)
+                        wide = _widen(builder, sums[r * vectors + v])
+                        builder.store(builder.add(old, wide), c_at[r][v], align=4)
+                return []
+
+            counted_loop(builder, intp, nruns, [], chunk, "tile")
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+_T1, _T2, _T3, _T4, _T5, _T6 = (gemm_tile(r) for r in range(1, 7))
+
+
+def _spread_tables():
+    """uint32 spreads, four fields to four bytes: a ternary byte's 2-bit fields, a sign nibble's
+    bits."""
+    b = np.arange(256, dtype=np.uint32)
+    two = sum(((b >> (2 * t)) & 3) << (8 * t) for t in range(4)).astype(np.uint32)
+    one = sum(((b[:16] >> t) & 1) << (8 * t) for t in range(4)).astype(np.uint32)
+    return two, one
+
+
+_SPREAD2, _SPREAD1 = _spread_tables()
+
+
+@numba.njit(cache=True)
+def _row_tiles(a, panel, count, steps, bits, xsum, scale_x, scale_w, n0, width, out):
+    """The register tiles over one panel for each group of six rows of ``a``, then
+    ``out[m, n0 + j] = float32(acc) * scale_x[m] * scale_w[n0 + j]`` for the panel's ``width``
+    columns (``scale_w`` of one element: the same for all); acc as in ``_gemv_kernel``."""
+    M = a.shape[0]
+    R = TILE_ROWS
+    stride = scale_w.shape[0] > 1
+    mult = 2 if bits == 1 else 1  # int32 wrap-around throughout: exact where the sum fits
+    c = np.empty((R, PANEL), np.int32)
+    for m0 in range(0, M, R):
+        r = min(R, M - m0)
+        for col0 in range(0, width, SUB):
+            if r == 6:
+                _T6(a, m0, panel, col0, count, steps, c)
+            elif r == 5:
+                _T5(a, m0, panel, col0, count, steps, c)
+            elif r == 4:
+                _T4(a, m0, panel, col0, count, steps, c)
+            elif r == 3:
+                _T3(a, m0, panel, col0, count, steps, c)
+            elif r == 2:
+                _T2(a, m0, panel, col0, count, steps, c)
+            else:
+                _T1(a, m0, panel, col0, count, steps, c)
+        for i in range(r):
+            m = m0 + i
+            sx = scale_x[m]
+            xs = xsum[m]
+            ci = c[i]
+            dst = out[m, n0:n0 + width]
+            if stride:  # one loop per scale kind (see ``_vnni._row_tiles``)
+                sw = scale_w[n0:n0 + width]
+                for j in range(width):
+                    dst[j] = (np.float32(np.int32(np.int64(ci[j]) * mult - xs)) * sx) * sw[j]
+            else:
+                s0 = scale_w[0]
+                for j in range(width):
+                    dst[j] = (np.float32(np.int32(np.int64(ci[j]) * mult - xs)) * sx) * s0
+
+
+@numba.njit(parallel=True, cache=True)
+def _gemm_kernel(a, data, bits, steps, xsum, scale_x, scale_w, out):
+    """out = float32(acc) * scale_x[:, None] * scale_w, acc the exact int32 product of the codes.
+
+    a: [M, 4 count] int8 activation codes (int16 ``[M, 2 count]`` for int8 weights on AVX2),
+    zero past K; xsum: as in ``_gemv_kernel``. Parallel over panels of 64 output columns: each
+    task spreads its columns' codes into ``panel`` (``gemm_tile``), then runs the register tiles
+    for each group of six rows (``_row_tiles``).
+    """
+    count = a.shape[1] * a.itemsize // 4
+    N, nbytes = data.shape
+    P = PANEL
+    spread2 = _SPREAD2
+    spread1 = _SPREAD1
+    for p in numba.prange((N + P - 1) // P):
+        n0 = p * P
+        width = min(P, N - n0)
+        panel = np.zeros((count, P), np.uint32)
+        for j in range(width):
+            row = data[n0 + j]
+            if bits == 2:
+                for g in range(nbytes):
+                    panel[g, j] = spread2[row[g]]
+            elif bits == 1:
+                for g in range(nbytes):
+                    b = row[g]
+                    panel[2 * g, j] = spread1[b & 15]
+                    if 2 * g + 1 < count:
+                        panel[2 * g + 1, j] = spread1[b >> 4]
+            elif a.itemsize == 2:  # int8 weights, two int16 a word
+                for g in range(count):
+                    lo = np.uint32(np.uint16(np.int16(np.int8(row[2 * g]))))
+                    hi = np.uint32(0)
+                    if 2 * g + 1 < nbytes:
+                        hi = np.uint32(np.uint16(np.int16(np.int8(row[2 * g + 1]))))
+                    panel[g, j] = lo | (hi << np.uint32(16))
+            else:  # int8 weights with the sign bit flipped, four a word
+                for g in range(count):
+                    v = np.uint32(0)
+                    for t in range(4):
+                        k = 4 * g + t
+                        if k < nbytes:
+                            v |= np.uint32(np.uint8(row[k]) ^ np.uint8(128)) << np.uint32(8 * t)
+                    panel[g, j] = v
+        _row_tiles(a, panel, count, steps, bits, xsum, scale_x, scale_w, n0, width, out)
+
+
+@numba.njit(cache=True)
+def _codes16(codes_x, a):
+    """a[m, k] = codes_x[m, k] as int16 (zero past K)."""
+    M, K = codes_x.shape
+    for m in range(M):
+        for k in range(a.shape[1]):
+            a[m, k] = codes_x[m, k] if k < K else 0
+
+
+def gemm(codes_x, scale_x, data, scale_w, bits, K, out):
+    """As ``gemv`` for more rows: the register-tile GEMM."""
+    M = codes_x.shape[0]
+    xsum = np.zeros(M, dtype=np.int32)
+    if bits == 8 and not AVX_VNNI:
+        a = np.empty((M, 2 * -(-K // 2)), np.int16)
+        _codes16(codes_x, a)
+    else:
+        a3 = np.empty((M, 1, 4 * -(-K // 4)), np.int8)  # one "plane": the codes, zero past K
+        _planes(codes_x, 1, INT8_OFFSET if bits == 8 else 1, a3, xsum)
+        a = a3.reshape(M, -1)
+    _gemm_kernel(a, data, bits, INT16_STEPS.get(bits, 1), xsum, scale_x, scale_w, out)
+    return out

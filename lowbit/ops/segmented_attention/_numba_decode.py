@@ -1,0 +1,169 @@
+"""Numba segmented attention forward for segments of few queries against their own keys: decoding
+against a KV cache (one query per sequence) and short chunks of it.
+
+The blocked kernels of ``_numba.py`` pack whole query blocks and copy the keys and values head
+by head before they start, which a decode step (one query row per sequence, thousands of cached
+keys, once per layer and generated token) would spend most of its time on. Here nothing is
+copied: one work item per (segment, split of ``SPLIT_KEYS`` keys) reads its keys and values in
+place and in memory order (all heads of a token are contiguous: reading them head by head ran
+3x slower, bound by memory), computes the scores of every (query, head) row of the segment and
+keeps a partial softmax state per row (running max, sum, unnormalized output); a second pass
+merges the splits of each row in split order (flash-decoding), so results do not depend on the
+thread count. Each score is one dot product over the feature axis, vectorized with reassociated
+partial sums (a fixed order for a given build: deterministic, not the left-to-right sum).
+Allocations are per item and linear: scores [rows, SPLIT_KEYS], partial outputs [rows, Dv].
+
+Used when ``takes``: the keys have segments of their own (``k_lengths`` unlike ``lengths``: the
+calls without ``k_lengths`` keep the blocked kernels and their results bit for bit) and no
+segment has more than ``SHORT_ROWS`` queries. Siblings: ``_numba.py``, ``_numba_softmax.py``;
+reference ``reference/segmented_attention.py``.
+"""
+
+import numba
+import numpy as np
+
+from ... import _backend
+from ._numba_softmax import _exp
+
+#: Most queries per segment for this path; longer segments reuse each key over a query block,
+#: which the blocked kernels do better.
+SHORT_ROWS = 16
+#: Keys per work item (all heads): 1024 cached keys give 8 items, enough to keep a few threads
+#: busy at one sequence; a split's keys and values (256 KiB at Hkv = 5, D = 128 in float32) and
+#: scores stay in L2.
+SPLIT_KEYS = 128
+
+
+def takes(offsets, k_offsets):
+    """Whether this path runs the forward of these query and key segments."""
+    return (not np.array_equal(offsets, k_offsets)
+            and int(np.diff(offsets).max()) <= SHORT_ROWS)
+
+
+@numba.njit(cache=True, fastmath={"reassoc", "contract"})
+def _dot(a, b):
+    """sum(a * b) over one feature axis, in vectorized partial sums."""
+    total = a.dtype.type(0)
+    for d in range(a.size):
+        total += a[d] * b[d]
+    return total
+
+
+@numba.njit(cache=True)
+def _scores(qs, heads_kv, k, ka, stop, scores):
+    """scores[r, j] = qs[r] . k[ka + j, heads_kv[r]] for the keys row r sees (ka + j < stop[r]),
+    -inf for the others: the key rows are read in memory order, each once for every row."""
+    neg = scores.dtype.type(-np.inf)
+    for j in range(scores.shape[1]):
+        for r in range(qs.shape[0]):
+            scores[r, j] = _dot(qs[r], k[ka + j, heads_kv[r]]) if ka + j < stop[r] else neg
+
+
+@numba.njit(cache=True)
+def _weighted_values(weights, heads_kv, v, ka, acc):
+    """acc[r] += sum_j weights[r, j] * v[ka + j, heads_kv[r]], the value rows in memory order."""
+    for j in range(weights.shape[1]):
+        for r in range(acc.shape[0]):
+            e = weights[r, j]
+            value = v[ka + j, heads_kv[r]]
+            for d in range(acc.shape[1]):
+                acc[r, d] += e * value[d]
+
+
+@numba.njit(parallel=True, cache=True)
+def _partials(q, k, v, offsets, k_offsets, items, scale, causal, group, m_part, l_part,
+              acc_part):
+    """Per item (segment, first key, key stop): for each row r (query r // H of the segment,
+    head r % H), m_part[it, r] the max of the scaled scores it sees among these keys (-inf:
+    none), l_part[it, r] the sum of exp(score - max), acc_part[it, r] those weights times v."""
+    heads, dim, dv = q.shape[1], q.shape[2], v.shape[2]
+    zero = q.dtype.type(0)
+    for it in numba.prange(items.shape[0]):
+        s, ka, kb = items[it, 0], items[it, 1], items[it, 2]
+        q0 = offsets[s]
+        # Query p sees keys up to p + shift (bottom-right alignment), when causal.
+        shift = k_offsets[s + 1] - offsets[s + 1]
+        rows = (offsets[s + 1] - q0) * heads
+        # The rows' scaled queries, contiguous, their kv heads and the end of the keys they see.
+        qs = np.empty((rows, dim), q.dtype)
+        heads_kv = np.empty(rows, np.int64)
+        stop = np.empty(rows, np.int64)
+        for r in range(rows):
+            p = q0 + r // heads
+            for d in range(dim):
+                qs[r, d] = q[p, r % heads, d] * scale
+            heads_kv[r] = r % heads // group
+            stop[r] = max(ka, min(kb, p + shift + 1)) if causal else kb
+        scores = np.empty((rows, kb - ka), q.dtype)
+        _scores(qs, heads_kv, k, ka, stop, scores)
+        for r in range(rows):
+            seen = stop[r] - ka
+            top = -np.inf
+            for j in range(seen):
+                top = max(top, scores[r, j])
+            m_part[it, r] = top
+            total = zero
+            for j in range(kb - ka):
+                # A hidden key weighs exactly 0 (and a row that sees none has no exp to take).
+                e = _exp(scores[r, j] - top) if j < seen else zero
+                scores[r, j] = e
+                total += e
+            l_part[it, r] = total
+        acc = np.zeros((rows, dv), q.dtype)
+        _weighted_values(scores, heads_kv, v, ka, acc)
+        acc_part[it, :rows] = acc
+
+
+@numba.njit(parallel=True, cache=True)
+def _merge(m_part, l_part, acc_part, offsets, first, group, out, lse):
+    """Merges the splits first[s]:first[s + 1] of each row of segment s, in split order."""
+    heads, dv = out.shape[1], out.shape[2]
+    for sh in numba.prange((offsets.size - 1) * heads):
+        s, h = sh // heads, sh % heads
+        q0 = offsets[s]
+        for p in range(q0, offsets[s + 1]):
+            r = (p - q0) * heads + h
+            top = m_part[first[s], r]
+            for c in range(first[s] + 1, first[s + 1]):
+                top = max(top, m_part[c, r])
+            for d in range(dv):
+                out[p, h, d] = 0
+            if top == -np.inf:  # the row sees no key: out 0, lse -inf
+                lse[h, p] = top
+                continue
+            total = l_part.dtype.type(0)
+            for c in range(first[s], first[s + 1]):
+                w = np.exp(m_part[c, r] - top)  # 0 for a split the row sees nothing of
+                total += w * l_part[c, r]
+                for d in range(dv):
+                    out[p, h, d] += w * acc_part[c, r, d]
+            inv = 1 / total
+            for d in range(dv):
+                out[p, h, d] *= inv
+            lse[h, p] = top + np.log(total)
+
+
+def forward(q, k, v, offsets, k_offsets, scale, causal):
+    """q [Tq, H, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv] -> (out [Tq, H, Dv], lse [H, Tq])."""
+    tokens, heads, _ = q.shape
+    dv = v.shape[2]
+    k_lengths = np.diff(k_offsets)
+    splits = np.maximum(1, -(-k_lengths // SPLIT_KEYS))  # an empty key segment: one empty split
+    first = np.zeros(splits.size + 1, np.int64)
+    np.cumsum(splits, out=first[1:])
+    # Items in (segment, split) order: segment s has items first[s]:first[s + 1].
+    seg = np.repeat(np.arange(splits.size), splits)
+    ka = k_offsets[:-1][seg] + (np.arange(seg.size) - first[seg]) * SPLIT_KEYS
+    items = np.stack([seg, ka, np.minimum(ka + SPLIT_KEYS, k_offsets[1:][seg])],
+                     axis=1).astype(np.int64)
+    rows = int(np.diff(offsets).max()) * heads
+    m_part = np.empty((seg.size, rows), q.dtype)
+    l_part = np.empty((seg.size, rows), q.dtype)
+    acc_part = np.empty((seg.size, rows, dv), q.dtype)
+    q, k, v = _backend.read_only(q, k, v)
+    _partials(q, k, v, offsets, k_offsets, items, q.dtype.type(scale), causal,
+              heads // k.shape[1], m_part, l_part, acc_part)
+    out = _backend.empty((tokens, heads, dv), q.dtype)
+    lse = _backend.empty((heads, tokens), q.dtype)
+    _merge(m_part, l_part, acc_part, offsets, first, heads // k.shape[1], out, lse)
+    return out, lse

@@ -1,0 +1,192 @@
+"""The numba packed matmul's integer kernels on CPU targets other than the host's.
+
+Kernels: ``lowbit/ops/packed_matmul/_numba/_avx2.py`` (AVX2 and AVX-VNNI, 256-bit), the portable
+``_gemv.py`` / ``_gemm_f64.py``; selection in ``_numba/__init__.py``; reference
+``reference/packed_matmul.py``. Numba compiles for the CPU named by ``NUMBA_CPU_NAME`` with the
+LLVM features of ``NUMBA_CPU_FEATURES``, and the kernel modules choose their variants from that
+list, so a subprocess with those set (and its own ``NUMBA_CACHE_DIR``) builds and runs the AVX2
+kernels on any x86-64 CPU that can execute them, whatever the host would pick. Each run checks
+every weight format bit for bit against the reference on shapes around the kernels' blocks
+(K not a multiple of a block, odd N, 1 to 100 rows: GEMV and GEMM), plus codes at the edges of
+the int16 bounds (activation code -128, every stored field at its largest), and asserts which
+kernel ran. AVX-VNNI code is compiled for Alder Lake and its assembly checked for the VEX-encoded
+``vpdpbusd``; it runs only where the host CPU has AVX-VNNI.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from lowbit.reference.packed_matmul import packed_matmul_ref
+from lowbit.reference.quantize import (quantize_activation_ref, quantize_weight_ref,
+                                       unpack_weight_ref)
+
+#: LLVM's feature list of ``-mcpu=haswell`` (x86-64-v3 with the Ivy Bridge and Haswell extras),
+#: AVX-512 and AVX-VNNI explicitly off.
+HASWELL = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+crc32,+cx16,+cx8,+f16c,+fma,+fsgsbase,+fxsr,"
+           "+invpcid,+lzcnt,+mmx,+movbe,+pclmul,+popcnt,+rdrnd,+sahf,+sse,+sse2,+sse3,+sse4.1,"
+           "+sse4.2,+ssse3,+xsave,+xsaveopt,-avx512f,-avx512bw,-avx512vl,-avx512vnni,-avxvnni")
+#: Alder Lake (no AVX-512): Haswell's features plus the ones the integer kernels care about.
+ALDERLAKE = (HASWELL.replace(",-avxvnni", "")
+             + ",+adx,+aes,+clflushopt,+clwb,+gfni,+pku,+prfchw,+rdpid,+rdseed,+sha,+vaes,"
+               "+vpclmulqdq,+xsavec,+xsaves,+avxvnni")
+FORMATS = ("ternary", "sign", "int8")
+# (M, K, N): GEMV rows 1 and 3 (one 4-row group and a remainder), 16 (the GEMV's largest),
+# GEMM 17 and 100 (6-row tiles and a remainder; partial 16- and 64-column panels); K around the
+# GEMV blocks (32 to 128 packed bytes), the GEMM's four-K words and its int16 runs of 42 words.
+SHAPES = [(1, 1, 3), (1, 515, 7), (3, 301, 5), (16, 1031, 9), (17, 37, 1), (100, 677, 70)]
+
+
+def _ref(x, data, scale, format, K):
+    """``packed_matmul_ref``'s formula vectorized: exact integer products (int64) of the
+    reference codes, then ``float32(acc) * scale_x * scale_w`` in float32 in that order."""
+    cx, sx = quantize_activation_ref(x, "int8")
+    return _scaled(cx.astype(np.int64) @ unpack_weight_ref(data, format, K), sx, scale)
+
+
+def _scaled(acc, sx, scale):
+    sw = np.broadcast_to(np.asarray(scale, dtype=np.float32).reshape(-1), (acc.shape[1],))
+    return (acc.astype(np.float32) * sx.astype(np.float32)[:, None]) * sw
+
+
+def _run_checks(expect):
+    """Every format and shape through ``_numba.matmul_int`` against the reference, asserting
+    that the kernel family ``expect`` ("avx2", "avxvnni" or "portable") ran for every call."""
+    from lowbit.ops.packed_matmul import _numba
+    from lowbit.ops.packed_matmul._numba import _avx2
+
+    if expect == "portable":
+        _numba.USE_VNNI = _numba.USE_AVX2 = False
+    else:
+        assert not _numba.USE_VNNI and _numba.USE_AVX2, "the AVX2 kernels are not selected"
+        assert _avx2.AVX_VNNI == (expect == "avxvnni"), "wrong 256-bit variant"
+    calls = []
+    for name in ("gemv", "gemm"):
+        def spy(*args, _f=getattr(_avx2, name), _name=name):
+            calls.append(_name)
+            return _f(*args)
+        setattr(_avx2, name, spy)
+    rng = np.random.default_rng(5)
+    for format in FORMATS:
+        for M, K, N in SHAPES:
+            x = (rng.standard_normal((M, K)) * 2).astype(np.float32)
+            data, scale = quantize_weight_ref(rng.standard_normal((K, N)), format)
+            ref = _ref(x, data, scale, format, K)
+            if M * K * N < 20000:  # the loop reference itself on the small shapes
+                np.testing.assert_array_equal(ref, packed_matmul_ref(x, data, scale, format, K))
+            cx, sx = quantize_activation_ref(x, "int8")
+            y = _numba.matmul_int(cx, sx, data, scale, format, K)
+            np.testing.assert_array_equal(y, ref, err_msg=f"{format} {M}x{K}x{N}")
+        # the int16 bounds: code -128 everywhere and every stored field at its largest
+        # (ternary 3, sign 1, int8 -128), rows of both GEMV and GEMM; the portable GEMM's
+        # float64 plan assumes the quantizers' ranges (codes -127 .. 127, ternary stored 2)
+        low = -127 if expect == "portable" else -128
+        top = 0xAA if expect == "portable" and format == "ternary" else 0xFF
+        for M, K, N in [(2, 1031, 3), (20, 2053, 17)]:
+            cx = np.full((M, K), low, np.int8)
+            cx[1] = 127
+            nbytes = K if format == "int8" else -(-K * {"ternary": 2, "sign": 1}[format] // 8)
+            data = np.full((N, nbytes), (low & 0xFF) if format == "int8" else top, np.uint8)
+            if format == "int8":
+                data = data.view(np.int8)
+            sx = np.full(M, 0.5, np.float32)
+            scale = np.float32(0.25) if format != "int8" else np.full(N, 0.25, np.float32)
+            acc = cx.astype(np.int64) @ unpack_weight_ref(data, format, K)
+            y = _numba.matmul_int(cx, sx, data, scale, format, K)
+            np.testing.assert_array_equal(y, _scaled(acc, sx, scale),
+                                          err_msg=f"{format} extreme {M}x{K}x{N}")
+    if expect == "portable":
+        assert not calls, calls
+    else:
+        assert {"gemv", "gemm"} <= set(calls), calls
+
+
+def _subprocess(tmp_path, cpu, features, code):
+    env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES=features,
+               NUMBA_CACHE_DIR=str(tmp_path / "numba"), NUMBA_DISABLE_JIT="0")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def _host_has(*features):
+    import llvmlite.binding as llvm
+
+    try:
+        host = set(llvm.get_host_cpu_features().flatten().split(","))
+    except RuntimeError:
+        return False
+    return {f"+{f}" for f in features} <= host
+
+
+def test_host_kernels_match_reference():
+    """This host's own choice (AVX2 here, also where AVX-512 VNNI would be preferred) and the
+    portable kernels, in this process."""
+    from lowbit.ops.packed_matmul import _numba
+    from lowbit.ops.packed_matmul._numba import _avx2
+
+    saved = _numba.USE_VNNI, _numba.USE_AVX2, _avx2.gemv, _avx2.gemm
+    try:
+        if _avx2.AVAILABLE:
+            _numba.USE_VNNI = False
+            _run_checks("avxvnni" if _avx2.AVX_VNNI else "avx2")
+        _avx2.gemv, _avx2.gemm = saved[2:]
+        _run_checks("portable")
+    finally:
+        _numba.USE_VNNI, _numba.USE_AVX2, _avx2.gemv, _avx2.gemm = saved
+
+
+@pytest.mark.skipif(not _host_has("avx2", "fma", "bmi2"),
+                    reason="this CPU cannot execute code compiled for Haswell")
+def test_haswell_target_matches_reference(tmp_path):
+    """The AVX2 kernels compiled for Haswell (no AVX-512, no AVX-VNNI), run and checked."""
+    out = _subprocess(tmp_path, "haswell", HASWELL,
+                      "import test_packed_matmul_targets as t; t._run_checks('avx2'); print('ok')")
+    assert out.strip().endswith("ok")
+
+
+_ASM = """
+import numpy as np
+from numba import types
+from lowbit.ops.packed_matmul import _numba
+from lowbit.ops.packed_matmul._numba import _avx2
+assert _numba.USE_AVX2 and _avx2.AVX_VNNI and not _numba.USE_VNNI
+A = lambda dt, nd: types.Array(dt, nd, "C")
+f32, i64 = types.float32, types.int64
+kernels = [
+    (_avx2._gemv_kernel, (A(types.int8, 3), A(types.uint8, 2), i64, i64, i64, i64,
+                          A(types.int32, 1), A(f32, 1), A(f32, 1), A(f32, 2))),
+    (_avx2._gemm_kernel, (A(types.int8, 2), A(types.int8, 2), i64, i64, A(types.int32, 1),
+                          A(f32, 1), A(f32, 1), A(f32, 2))),
+]
+for kernel, sig in kernels:
+    kernel.compile(sig)
+    asm = kernel.inspect_asm(sig)
+    vex = [l for l in asm.splitlines() if "vpdpbusd" in l]
+    assert vex and all("{vex}" in l and "%ymm" in l for l in vex), vex[:4]
+    assert "%zmm" not in asm
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not _host_has("avx2"), reason="no x86-64 AVX2 host to compile on")
+def test_alderlake_target_compiles_to_vex_vpdpbusd(tmp_path):
+    """The AVX-VNNI kernels compiled for Alder Lake: the GEMV and GEMM (int8 weights) assembly
+    holds ``{vex} vpdpbusd`` on ymm registers and no zmm register (compiled, not run)."""
+    assert _subprocess(tmp_path, "alderlake", ALDERLAKE, _ASM).strip().endswith("ok")
+
+
+@pytest.mark.skipif(not _host_has("avx2", "avxvnni"),
+                    reason="this CPU has no AVX-VNNI: the Alder Lake kernels are compiled and "
+                           "their assembly checked, not run")
+def test_alderlake_target_matches_reference(tmp_path):
+    """The AVX-VNNI kernels run and checked, where the host can execute them."""
+    out = _subprocess(tmp_path, "alderlake", ALDERLAKE,
+                      "import test_packed_matmul_targets as t; t._run_checks('avxvnni'); "
+                      "print('ok')")
+    assert out.strip().endswith("ok")
