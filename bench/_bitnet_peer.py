@@ -6,6 +6,7 @@ the per-op profile of a decode step, and the peak-memory subprocess (``python -m
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import resource
@@ -233,14 +234,14 @@ def peak_rss(engine: str, path, threads: int, prefill: int, steps: int,
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def peak_rss_mib() -> float:
+def peak_rss_mib(key: str = "VmHWM") -> float:
     """This process's peak resident set in MiB: ``VmHWM`` of ``/proc/self/status`` on Linux
     (``ru_maxrss`` is carried across ``fork`` + ``exec``: a child would report its parent's
-    peak), else ``ru_maxrss``."""
+    peak), else ``ru_maxrss``. ``key="VmRSS"``: the resident set now (Linux)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) / 2**10  # kB
     except OSError:
         pass
@@ -250,8 +251,9 @@ def peak_rss_mib() -> float:
 
 def rss_main(argv: list[str]) -> int:
     """The child of ``peak_rss``: load ``FILE`` with ``ENGINE``, prefill ``PREFILL`` tokens,
-    decode ``STEPS``; print ``{"base MiB", "peak MiB", "load s"}`` (``peak_rss_mib`` before the
-    load, after the imports, and at the end) as one JSON line."""
+    decode ``STEPS``; print ``{"base MiB", "loaded MiB", "peak MiB", "load s"}`` (the peak
+    resident set after the imports, the resident set after the load, the peak at the end) as
+    one JSON line."""
     if len(argv) not in (6, 7) or argv[0] != "--rss":
         print("usage: python -m bench.bitnet --rss ENGINE FILE THREADS PREFILL STEPS [BACKEND]",
               file=sys.stderr)
@@ -276,9 +278,12 @@ def rss_main(argv: list[str]) -> int:
         e = Llama(path, threads, n_prefill + steps + 64)
         vocab = e.n_vocab
     load_s = time.perf_counter() - start
+    gc.collect()
+    loaded = peak_rss_mib("VmRSS")
     ids = prompt(vocab, n_prefill + steps)
     e.prefill(ids[:n_prefill])
     for i in range(n_prefill, n_prefill + steps):
         e.step(int(ids[i]), i)
-    print(json.dumps({"base MiB": base, "peak MiB": peak_rss_mib(), "load s": load_s}))
+    print(json.dumps({"base MiB": base, "loaded MiB": loaded, "peak MiB": peak_rss_mib(),
+                      "load s": load_s}))
     return 0

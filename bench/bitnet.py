@@ -5,7 +5,8 @@ against this machine's measured read bandwidth and llama.cpp on the same GGUF fi
 Rows (CPU; ``--quick``: hidden 256, 2 layers, vocab 1024, the same contexts, seconds in all):
 
 - read bandwidth: a Numba ``prange`` sum over all threads of a uint64 buffer far larger than the
-  caches (2 GiB; quick 256 MiB), best of ``BW_REPEATS``: the ceiling of a decode step;
+  caches (2 GiB; quick 256 MiB), best of ``BW_REPEATS``: the ceiling of a decode step; measured
+  again before each decode context, the bounds using the best seen (``Bandwidth``);
 - the relu2 model (BitNet b1.58's FFN, the main figure): made with ``random_params``, written
   with ``save_gguf`` (TQ2_0) and read back with ``load`` (each timed, the load is "load time");
   prefill of 128 tokens (tokens/s), decode at contexts 128 and 1024 (one token after a prefill
@@ -96,34 +97,54 @@ def _fill(a):
 
 @numba.njit(parallel=True, cache=True)
 def _read_sum(a, chunks):
-    """The sum of ``a`` (uint64, wrapping) in ``chunks`` contiguous parts, one thread each."""
+    """The sum of ``a`` (uint64, wrapping) in ``chunks`` contiguous parts, one thread each
+    (four accumulators: the adds do not wait on one another)."""
     n = a.shape[0]
-    step = (n + chunks - 1) // chunks
+    step = ((n + chunks - 1) // chunks + 7) // 8 * 8
     part = np.zeros(chunks, np.uint64)
     for c in numba.prange(chunks):
-        s = np.uint64(0)
-        for i in range(c * step, min(n, (c + 1) * step)):
-            s += a[i]
-        part[c] = s
+        s0 = s1 = s2 = s3 = np.uint64(0)
+        i, hi = c * step, min(n, (c + 1) * step)
+        while i + 8 <= hi:
+            s0 += a[i] + a[i + 4]
+            s1 += a[i + 1] + a[i + 5]
+            s2 += a[i + 2] + a[i + 6]
+            s3 += a[i + 3] + a[i + 7]
+            i += 8
+        while i < hi:
+            s0 += a[i]
+            i += 1
+        part[c] = s0 + s1 + s2 + s3
     return part.sum()
 
 
-def read_bandwidth(nbytes: int, repeats: int = BW_REPEATS) -> dict:
-    """Best-of-``repeats`` GB/s of a parallel read of ``nbytes`` (all Numba threads)."""
-    a = np.empty(nbytes // 8, np.uint64)
-    _fill(a)  # written by the threads: every page is touched before the clock
-    chunks = 16 * numba.get_num_threads()
-    n = a.shape[0]
-    want = (n * (n - 1) // 2) % 2**64
-    if int(_read_sum(a, chunks)) != want:
-        raise AssertionError("the bandwidth kernel's sum is wrong")
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        _read_sum(a, chunks)
-        times.append(time.perf_counter() - start)
-    del a
-    return {"seconds": min(times), "GB/s": nbytes / min(times) / 1e9}
+class Bandwidth:
+    """This machine's read bandwidth: a parallel read (all Numba threads) of a buffer of
+    ``nbytes`` far larger than the caches, best of ``repeats`` per ``measure``; ``best`` is the
+    best over every measure (the machine is shared: the suite measures again before each decode
+    row, and its bound uses the best seen, never a figure depressed by a busy spell)."""
+
+    def __init__(self, nbytes: int):
+        self.a = np.empty(nbytes // 8, np.uint64)
+        _fill(self.a)  # written by the threads: every page is touched before the clock
+        n = self.a.shape[0]
+        self.chunks = 16 * numba.get_num_threads()
+        if int(_read_sum(self.a, self.chunks)) != (n * (n - 1) // 2) % 2**64:
+            raise AssertionError("the bandwidth kernel's sum is wrong")
+        self.best = 0.0
+
+    def measure(self, repeats: int = BW_REPEATS) -> dict:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            _read_sum(self.a, self.chunks)
+            times.append(time.perf_counter() - start)
+        gbs = self.a.nbytes / min(times) / 1e9
+        self.best = max(self.best, gbs)
+        return {"seconds": min(times), "GB/s": gbs}
+
+    def close(self) -> None:
+        self.a = np.empty(0, np.uint64)
 
 
 # -- timing ---------------------------------------------------------------------------------------
@@ -230,14 +251,15 @@ def cases(config: Config):
           "the rounds' ratios; peak MiB: VmHWM of a fresh process (load, prefill, decode)")
     nbytes = (256 if config.quick else 2048) * 2**20
     _progress(f"reading {nbytes / 2**30:.2f} GiB, {BW_REPEATS} times ...")
-    bw = read_bandwidth(nbytes)
+    bw = Bandwidth(nbytes)
     yield Case(SUITE, "read bandwidth", check=lambda: check_small(backend),
-               info={**bw, "threads": threads,
+               info={**bw.measure(), "threads": threads,
                      "note": f"{nbytes / 2**30:g} GiB, load {load[0]:.0f}"})
     with tempfile.TemporaryDirectory(prefix="lowbit_bench_bitnet_") as tmp:
         relu2_file = Path(tmp) / "relu2.gguf"
         kept: dict = {}
         yield from _relu2_rows(shape, relu2_file, bw, backend, timing, kept)
+        bw.close()
         gc.collect()
         have_llama, why = peer.llama_available()
         yield from _rss_rows(relu2_file, threads, backend, have_llama)
@@ -258,9 +280,9 @@ def _speed(steps: list[float], tokens: int = 1) -> dict:
 def _bound(config, params, context, bw, steps) -> dict:
     """The bandwidth bound of a decode step at ``context`` and the share of it reached."""
     per_token = sum(model_bytes(config, params).values()) + kv_bytes(config, context)
-    bound = bw["GB/s"] * 1e9 / per_token
+    bound = bw.best * 1e9 / per_token
     share = 1 / statistics.median(steps) / bound
-    return {"MB/token": per_token / 1e6, "bound tok/s": bound, "of bound": share,
+    return {"MB/token": per_token / 1e6, "GB/s": bw.best, "bound tok/s": bound, "of bound": share,
             "target": BANDWIDTH_TARGET, "met": bool(share >= BANDWIDTH_TARGET)}
 
 
@@ -304,6 +326,7 @@ def _relu2_rows(shape, path, bw, backend, timing, kept):
     for c in CONTEXTS:
         engine.prefill(ids[:c], start=min(at, c))
         at = c
+        bw.measure()
         _progress(f"decode at {c}, 16-bit and int8 head in alternation ...")
         int8, bf16, ratio = peer.paired(lambda c=c: head.step(7, c),
                                         lambda c=c: engine.step(7, c), timing["rounds"],
@@ -331,7 +354,7 @@ def _rss_rows(path, threads, backend, have_llama):
         r = peer.peak_rss(engine, path, threads, PREFILL, RSS_STEPS, backend)
         yield Case(SUITE, f"peak RSS {engine} (ms: its load)",
                    info={"seconds": r["load s"], "peak MiB": r["peak MiB"],
-                         "base MiB": r["base MiB"]})
+                         "base MiB": r["base MiB"], "loaded MiB": r["loaded MiB"]})
 
 
 def _relu2_quirk_row(path, threads, lowbit_logits):

@@ -101,6 +101,8 @@ def array_kind(*arrays: object) -> str | None:
     Raises:
         TypeError: numpy and cupy arrays are mixed (data is never moved implicitly).
     """
+    if all(type(a) is np.ndarray for a in arrays):  # the common case, without a cupy lookup
+        return "numpy" if arrays else None
     kinds: set[str] = set()
     for a in arrays:
         if a is None:

@@ -135,8 +135,15 @@ def select_backend(*arrays: object) -> str:
     return name
 
 
+#: (op, backend) -> the backend module, imported once (a decode step resolves hundreds of ops).
+_MODULES: dict[tuple[str, str], ModuleType] = {}
+
+
 def resolve(op: str, *arrays: object) -> tuple[str, ModuleType]:
     """Return ``(backend_name, module)`` implementing ``op`` for these arrays."""
     name = select_backend(*arrays)
-    module = importlib.import_module(f"lowbit.ops.{op}.{_MODULE_OF_BACKEND[name]}")
+    module = _MODULES.get((op, name))
+    if module is None:
+        module = importlib.import_module(f"lowbit.ops.{op}.{_MODULE_OF_BACKEND[name]}")
+        _MODULES[op, name] = module
     return name, module
