@@ -198,14 +198,6 @@ def _config(shape, act):
     return _bn().BitNetConfig(**shape, hidden_act=act)
 
 
-def _tokenizer():
-    """A byte-level BPE of 257 tokens: llama.cpp refuses a GGUF file without a tokenizer, and
-    ``save_gguf`` pads the list to the vocabulary."""
-    from lowbit.models.bitnet._tokenizer import ByteBPE, Tokenizer, byte_chars
-    chars = byte_chars()
-    return Tokenizer(ByteBPE(chars + [chars[32] * 2], [f"{chars[32]} {chars[32]}"]))
-
-
 def check_small(backend=None, xp=np) -> None:
     """A tiny model's cached prefill and decode against the float64 reference (before timing)."""
     from lowbit.reference.bitnet import bitnet_ref
@@ -305,7 +297,7 @@ def _relu2_rows(shape, path, bw, backend, timing, kept):
                info={"seconds": made, "note": f"ternary {b['projections'] / 1e6:.0f} MB, "
                      f"head {b['head'] / 1e6:.0f} MB"})
     start = time.perf_counter()
-    bn.save_gguf(path, config, params, "TQ2_0", tokenizer=_tokenizer())
+    bn.save_gguf(path, config, params, "TQ2_0")
     yield Case(SUITE, "relu2 save_gguf TQ2_0", info={
         "seconds": time.perf_counter() - start, "note": f"{path.stat().st_size / 1e6:.0f} MB"})
     del params
@@ -373,7 +365,7 @@ def _peer_rows(shape, path, threads, backend, timing):
     config = _config(shape, "silu")
     _progress("making, writing and loading the silu model ...")
     params = bn.random_params(config, seed=SEED)
-    bn.save_gguf(path, config, params, "TQ2_0", tokenizer=_tokenizer())
+    bn.save_gguf(path, config, params, "TQ2_0")
     del params
     gc.collect()
     config, params, seconds = _load(bn, path, backend)

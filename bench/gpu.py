@@ -4,13 +4,14 @@ One call gives the whole picture: the environment (GPU, compute capability, driv
 CuPy, NumPy), every kernel module compiled once up front and timed apart (a cold kernel cache costs
 its compile time there, not inside a test or a timed row), ``pytest -m gpu`` with a per-test time
 limit and without ``-x``, then every speed suite of ``bench/`` on cupy arrays (``train``: one timed
-training step per configuration; ``bitnet``: a small BitNet model's decode tokens/s at contexts
-128 and 1024, its logits checked first against the host's), then the kernel rows of ``bench/gpu_kernels.py``, one step per
-group (``gpu_kernels.gemv``, ``.gemm``, ``.attention``, ``.scans``; ``--suites gpu_kernels`` names
-them all). First, wheels in ``bench/results/wheels/`` (``--wheels``: for a machine without network
-access) of distributions the environment lacks, e.g. fla-core for the scans' peer, are installed
-with ``pip install --no-deps --no-index --target`` into the call's temporary folder, which goes on
-every step's ``PYTHONPATH``. The steps share one deadline: each gets its share of the time that is
+training step per configuration; ``bitnet``: a small BitNet model's decode tokens/s at
+contexts 128 and 1024, its logits checked first against the host's), then the kernel rows of
+``bench/gpu_kernels.py``, one step per group (``gpu_kernels.gemv``, ``.gemm``, ``.attention``,
+``.scans``; ``--suites gpu_kernels`` names them all). First, wheels in
+``bench/results/wheels/`` (``--wheels``: for a machine without network access) of distributions
+the environment lacks, e.g. fla-core for the scans' peer, are installed with ``pip install
+--no-deps --no-index --target`` into the call's temporary folder, which goes on every step's
+``PYTHONPATH``. The steps share one deadline: each gets its share of the time that is
 left, so the last suite is not the first to be lost. Every step runs in a subprocess whose stdout
 and stderr go to a file, so a step killed at its limit still leaves a readable log; a kernel group
 also writes its rows as it finishes them, so it keeps those.

@@ -325,8 +325,8 @@ def write_gguf(path, model, qtype="TQ2_0", *, embed_type="F32", scale_tensors=Fa
                meta_override=None) -> Written:
     """A ``bitnet`` GGUF file through the gguf package. ``scale_tensors``: blocks quantized
     from the codes alone (block scale 1) and the scale in a ``.scale`` tensor; ``skip``: tensor
-    names left out; ``extra``: name -> array (or (array, raw GGML type)) added; ``meta_override``: bitnet.* key -> value
-    (an int, float or str, None to drop it)."""
+    names left out; ``extra``: name -> array (or (array, raw GGML type)) added;
+    ``meta_override``: bitnet.* key -> value (an int, float or str, None to drop it)."""
     import gguf
 
     c = model.config

@@ -206,6 +206,24 @@ def test_sample_distribution():
     assert draws[2:].sum() == 0 and abs(draws[0] / 4000 - 0.625) < 0.03
 
 
+def test_fused_projections_equal_separate(rng):
+    """random_params (as load) lays q/k/v and gate/up out in one buffer each, which the forward
+    multiplies in one call; separate copies of the same weights give the same logits."""
+    from lowbit.models.bitnet._params import FUSED, fused_view
+    params = _model(seed=12)
+    names = [[f"model.layers.0.{g}" for g in group] for group in FUSED]
+    assert all(fused_view([params[n] for n in group]) is not None for group in names)
+    apart = {k: (dataclasses.replace(v, data=v.data.copy()) if isinstance(v, PackedWeight)
+                 else v) for k, v in params.items()}
+    assert fused_view([apart[n] for n in names[0]]) is None
+    ids = rng.integers(0, TINY.vocab_size, 7)
+    full, cache = bitnet.forward(TINY, params, ids)
+    assert_close("fused prefill", bitnet.forward(TINY, apart, ids)[0], full, 1e-6)
+    _, c2 = bitnet.forward(TINY, apart, ids)
+    assert_close("fused decode", bitnet.forward(TINY, apart, [3], c2)[0],
+                 bitnet.forward(TINY, params, [3], cache)[0], 1e-6)
+
+
 def test_int8_head(rng):
     params = _model(seed=8)
     ids = rng.integers(0, TINY.vocab_size, 6)

@@ -24,6 +24,7 @@ from ...ops.rotary import rotary
 from ...ops.segmented_attention import segmented_attention
 from ._config import BitNetConfig
 from ._head import embed, head_logits
+from ._params import fused_view
 
 
 @dataclasses.dataclass
@@ -152,6 +153,22 @@ def _attend(config, cache, layer, q, k, v, counts, starts):
     return segmented_attention(q, kc, vc, lengths, k_lengths=k_lengths, causal=True)
 
 
+def _project(h: Array, pws: list) -> list:
+    """``h`` through several projections of the same input: one ``packed_matmul`` when their
+    weights share a buffer (``fuse_projections``), each output then scaled by its own weight's
+    scale (the product the separate calls would form: ``(acc * scale_x) * scale_w``)."""
+    fused = fused_view(pws)
+    if fused is None:
+        return [packed_matmul(h, pw) for pw in pws]
+    y = packed_matmul(h, fused)
+    outs, col = [], 0
+    for pw in pws:
+        n = pw.shape[1]
+        outs.append(y[:, col:col + n] * pw.scale)
+        col += n
+    return outs
+
+
 def run(config: BitNetConfig, params: dict[str, Any], tokens: Array, counts: np.ndarray,
         cache: KVCache, last_only: bool) -> Array:
     """Logits of validated packed ``tokens`` (int64 [N]), ``counts[b]`` new ones per sequence.
@@ -172,18 +189,19 @@ def run(config: BitNetConfig, params: dict[str, Any], tokens: Array, counts: np.
     for n in range(config.num_hidden_layers):
         p = f"model.layers.{n}."
         h = rms_norm(x, params[p + "input_layernorm"], eps=eps)
-        q = packed_matmul(h, params[p + "self_attn.q_proj"]).reshape(N, H, d)
-        k = packed_matmul(h, params[p + "self_attn.k_proj"]).reshape(N, Hkv, d)
-        v = packed_matmul(h, params[p + "self_attn.v_proj"]).reshape(N, Hkv, d)
-        q = rotary(q, pos, theta=config.rope_theta, style="half")
-        k = rotary(k, pos, theta=config.rope_theta, style="half")
-        a = _attend(config, cache, n, q, k, v, counts, starts).reshape(N, H * d)
+        q, k, v = _project(h, [params[p + "self_attn.q_proj"], params[p + "self_attn.k_proj"],
+                               params[p + "self_attn.v_proj"]])
+        # q and k share their positions: one rotation of both heads' rows
+        qk = rotary(xp.concatenate([q, k], axis=1).reshape(N, H + Hkv, d), pos,
+                    theta=config.rope_theta, style="half")
+        a = _attend(config, cache, n, qk[:, :H], qk[:, H:], v.reshape(N, Hkv, d), counts,
+                    starts).reshape(N, H * d)
         a = rms_norm(a, params[p + "self_attn.attn_sub_norm"], eps=eps)
         x = x + packed_matmul(a, params[p + "self_attn.o_proj"])
         h = rms_norm(x, params[p + "post_attention_layernorm"], eps=eps)
-        g = packed_matmul(h, params[p + "mlp.gate_proj"])
-        m = _activation(config.hidden_act, g, xp) * packed_matmul(h, params[p + "mlp.up_proj"])
-        m = rms_norm(m, params[p + "mlp.ffn_sub_norm"], eps=eps)
+        g, u = _project(h, [params[p + "mlp.gate_proj"], params[p + "mlp.up_proj"]])
+        m = rms_norm(_activation(config.hidden_act, g, xp) * u, params[p + "mlp.ffn_sub_norm"],
+                     eps=eps)
         x = x + packed_matmul(m, params[p + "mlp.down_proj"])
     cache.lengths += counts
     if last_only:

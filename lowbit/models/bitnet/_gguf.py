@@ -28,6 +28,7 @@ is read as "relu2", BitNet b1.58's.
 
 from __future__ import annotations
 
+import mmap
 import os
 import warnings
 from typing import Any
@@ -41,7 +42,7 @@ from ...ops.pack_bits import pack_bits
 from ...ops.quantize import PackedWeight, quantize_weight
 from ._config import BitNetConfig
 from ._params import Dense, Param, check_params, expected_shapes
-from ._tokenizer import Tokenizer
+from ._tokenizer import ByteBPE, Tokenizer, byte_chars
 
 ARCH = "bitnet"
 #: lowbit's metadata key for ``hidden_act``.
@@ -234,6 +235,7 @@ def load_gguf_model(path: StrPath) -> tuple[BitNetConfig, dict[str, Param], Toke
             params[name] = np.ascontiguousarray(_float(path, key, t))
         else:
             params[name] = _dense(path, key, t)
+        _drop_pages(reader, t)
     extra = sorted(set(tensors) - used)
     if extra:
         raise ValueError(f"{path}: unexpected tensor {extra[0]!r} ({len(extra)} in all)")
@@ -241,16 +243,43 @@ def load_gguf_model(path: StrPath) -> tuple[BitNetConfig, dict[str, Param], Toke
     return config, params, Tokenizer.from_gguf(fields, path)
 
 
+def _drop_pages(reader: Any, t: Any) -> None:
+    """Unmap the file pages a converted tensor was read from (``madvise(MADV_DONTNEED)``: they
+    stay in the page cache, out of this process's resident memory), so a load holds the file's
+    pages and their converted copies together for one tensor at a time. Best effort: skipped
+    where the reader's map or ``madvise`` is not there."""
+    mm = getattr(reader.data, "_mmap", None)
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if mm is None or advice is None:
+        return
+    start = int(reader.data.offset) + int(t.data_offset)
+    aligned = start - start % mmap.PAGESIZE
+    try:
+        mm.madvise(advice, aligned, int(t.n_bytes) + start - aligned)
+    except (OSError, ValueError):
+        pass
+
+
 def _host(a: Any) -> np.ndarray:
     return a.get() if _backend.is_cupy_array(a) else np.asarray(a)
+
+
+def ids_only_tokenizer() -> Tokenizer:
+    """The byte-level BPE written where a model has no tokenizer of its own: the 256 byte
+    tokens and one merge (llama.cpp refuses a file without ``tokenizer.ggml.*``; its text means
+    nothing to the model, which is then driven by token ids)."""
+    chars = byte_chars()
+    return Tokenizer(ByteBPE(chars + [chars[32] * 2], [f"{chars[32]} {chars[32]}"]))
 
 
 def _tokenizer_fields(config: BitNetConfig, tokenizer: Tokenizer | None) -> dict[str, Any]:
     fields = tokenizer.gguf_metadata() if tokenizer is not None else None
     if tokenizer is not None and fields is None:
         warnings.warn("save_gguf: this tokenizer has no GGUF form (only byte-level BPE has); "
-                      "the file gets no tokenizer, and llama.cpp must be given token ids",
-                      stacklevel=3)
+                      "the file gets the byte-level placeholder vocabulary, and llama.cpp must "
+                      "be given token ids", stacklevel=3)
+    if fields is None and config.vocab_size > 256:
+        fields = ids_only_tokenizer().gguf_metadata()
     fields = dict(fields or {})
     for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
                 "tokenizer.ggml.eot_token_id"):
@@ -285,8 +314,9 @@ def save_gguf(path: StrPath, config: BitNetConfig, params: dict[str, Param],
     ``bitnet.*`` keys, ``hidden_act`` the ``bitnet.hidden_activation`` key. A tokenizer with a
     GGUF form (a GGUF-sourced one, or a byte-level BPE ``tokenizer.json``) is written as
     ``tokenizer.ggml.*`` ("gpt2" model), the token list padded to ``vocab_size`` as llama.cpp's
-    converter does; otherwise the file gets only the BOS / EOS ids and llama.cpp must be given
-    token ids.
+    converter does; otherwise (no tokenizer, or one of another kind) the file gets a placeholder
+    byte-level vocabulary (``ids_only_tokenizer``; a model of more than 256 tokens), which
+    llama.cpp needs to load it, and is to be driven by token ids.
 
     llama.cpp caveats: its ``bitnet`` graph has built the FFN with SiLU whatever the file says
     (llama-cpp-python 0.3.36 does: ``LLM_FFN_SILU`` in ``src/models/bitnet.cpp``), so llama.cpp

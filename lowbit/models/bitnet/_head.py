@@ -2,10 +2,12 @@
 
 ``head_logits(x, head)``: ``x @ head.T`` in float32 for a ``Dense`` head (the tied embedding of a
 BitNet checkpoint, kept in its 16-bit precision: it is a decode step's largest single read), or
-through ``lowbit.packed_matmul`` for ``quantize_head``'s int8 ``PackedWeight``.
+``x @ codes * scale`` for ``quantize_head``'s int8 ``PackedWeight`` (float activations: the
+logits keep their precision).
 
-Numba runs a row-parallel GEMV over the 16-bit bits for few rows (decode); more rows (prefill)
-and the numpy backend decode blocks of rows to float32 and call the BLAS; cupy arrays take the
+Numba runs a row-parallel GEMV over the 16-bit (or int8) rows for few rows of ``x`` (decode);
+more rows (prefill) and the numpy backend decode blocks of rows to float32 and call the BLAS
+(the int8 head: ``lowbit.packed_matmul`` without activation quantization); cupy arrays take the
 same blocked path on the GPU.
 """
 
@@ -89,19 +91,35 @@ def _gemv_kernel(dtype: str):
                     acc += w[v, k] * x[m, k]
                 out[m, v] = acc
 
-    _kernels.update(bfloat16=gemv_bf16, float16=gemv_f16, float32=gemv_f32)
+    @numba.njit(parallel=True, cache=True, fastmath={"contract", "reassoc"})
+    def gemv_i8(x, w, scale, out):
+        # out[m, v] = (sum_k x[m, k] * float32(w[v, k])) * scale[v]: quantize_head's rows
+        M, K = x.shape
+        V = w.shape[0]
+        for v in numba.prange(V):
+            for m in range(M):
+                acc = np.float32(0.0)
+                for k in range(K):
+                    acc += np.float32(w[v, k]) * x[m, k]
+                out[m, v] = acc * scale[v]
+
+    _kernels.update(bfloat16=gemv_bf16, float16=gemv_f16, float32=gemv_f32, int8=gemv_i8)
     return _kernels[dtype]
 
 
 def head_logits(x: Array, head: Dense | PackedWeight) -> Array:
     """Logits [M, vocab] float32 of final hidden states ``x`` [M, hidden] float32."""
-    if isinstance(head, PackedWeight):
-        return packed_matmul(x, head, act_format=None)
     xp = _backend.array_module(x, head.data)
     M = x.shape[0]
-    V = head.shape[0]
     backend = _dispatch.select_backend(x, head.data)
     x = xp.ascontiguousarray(x, dtype=xp.float32)
+    if isinstance(head, PackedWeight):
+        if backend == "numba" and M <= GEMV_ROWS:
+            out = np.empty((M, head.shape[1]), np.float32)
+            _gemv_kernel("int8")(x, head.data, head.scale, out)
+            return out
+        return packed_matmul(x, head, act_format=None)
+    V = head.shape[0]
     if backend == "numba" and M <= GEMV_ROWS:
         out = np.empty((M, V), np.float32)
         data = head.data.view(np.uint16) if head.dtype == "float16" else head.data

@@ -14,7 +14,7 @@ from ...ops.quantize import PackedWeight
 from ._config import BitNetConfig
 from ._gguf import load_gguf_model
 from ._hf import load_hf
-from ._params import Dense, Param, check_params
+from ._params import Dense, Param, check_params, fuse_projections
 from ._tokenizer import Tokenizer
 
 
@@ -70,6 +70,7 @@ def load(path: StrPath, *, xp: Any = None
     else:
         raise FileNotFoundError(f"{p}: no such file or folder")
     check_params(config, params, p)
+    params = fuse_projections(config, params, in_place=True)  # the forward's fused layout
     if xp is not None and xp is not np:
         params = to_xp(params, xp)
     return config, params, tokenizer

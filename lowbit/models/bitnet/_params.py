@@ -180,4 +180,65 @@ def random_params(config: BitNetConfig, *, seed: int = 0, dense_dtype: str = "bf
                                      xp.asarray(np.float32(1 / np.sqrt(K))))
         else:
             out[name] = xp.asarray((1 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
+    return fuse_projections(config, out, in_place=True)
+
+
+#: Projections that read the same input, fused into one weight buffer by ``fuse_projections``.
+FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         ("mlp.gate_proj", "mlp.up_proj"))
+
+
+def _address(a: Any) -> int:
+    return int(a.data.ptr) if _backend.is_cupy_array(a) else int(a.__array_interface__["data"][0])
+
+
+def fuse_projections(config: BitNetConfig, params: dict[str, Param], *,
+                     in_place: bool = False) -> dict[str, Param]:
+    """``params`` with each layer's q/k/v (and gate/up) packed rows moved into one buffer: each
+    ``PackedWeight`` keeps its own shape and scale, its ``data`` a view of consecutive rows, so
+    the forward multiplies them in one ``packed_matmul`` (``fused_view``). Same values; weights
+    already laid out so, or of other kinds, are left as they are. ``in_place``: update and
+    return ``params`` itself (a loader's own dict: each layer's old arrays are freed as it
+    goes), else a new dict."""
+    out = params if in_place else dict(params)
+    for n in range(config.num_hidden_layers):
+        for group in FUSED:
+            names = [f"model.layers.{n}.{g}" for g in group]
+            pws = [out[name] for name in names]
+            if not all(isinstance(pw, PackedWeight) and pw.format == "ternary" for pw in pws):
+                continue
+            if fused_view(pws) is not None:
+                continue
+            xp = _backend.array_module(pws[0].data)
+            buffer = xp.concatenate([pw.data for pw in pws])
+            row = 0
+            for name, pw in zip(names, pws):
+                N = pw.data.shape[0]
+                out[name] = dataclasses.replace(pw, data=buffer[row:row + N])
+                row += N
     return out
+
+
+def fused_view(pws: list) -> PackedWeight | None:
+    """One ternary ``PackedWeight`` of scale 1 over the weights' packed rows, when they are
+    consecutive rows of one buffer with the same input size (``fuse_projections``'s layout);
+    else None."""
+    first = pws[0]
+    base = first.data.base
+    if base is None or getattr(base, "ndim", 0) != 2:
+        return None
+    K, width = first.shape[0], first.data.shape[1]
+    if base.shape[1] != width or not base.flags.c_contiguous:
+        return None
+    expect = _address(first.data)
+    for pw in pws:
+        if (not isinstance(pw, PackedWeight) or pw.format != "ternary" or pw.shape[0] != K
+                or pw.data.base is not base or _address(pw.data) != expect
+                or pw.data.dtype != base.dtype):
+            return None
+        expect += pw.data.nbytes
+    start = (_address(first.data) - _address(base)) // (width * base.itemsize)
+    rows = sum(pw.data.shape[0] for pw in pws)
+    xp = _backend.array_module(base)
+    return PackedWeight("ternary", (K, rows), base[start:start + rows],
+                        xp.ones((), xp.float32))

@@ -180,10 +180,12 @@ def _positions(positions, x):
         raise ValueError(f"positions must have one entry per token of x ({T}), got "
                          f"{positions.shape[0]}")
     if T:
-        xp = _backend.array_module(positions)
-        # One read for both bounds (a device array: one transfer).
-        lo, hi = (int(v) for v in _kernels.host_copy(xp.stack([positions.min(),
-                                                                 positions.max()])))
+        if isinstance(positions, np.ndarray):
+            lo, hi = int(positions.min()), int(positions.max())
+        else:  # one read for both bounds of a device array: one transfer
+            xp = _backend.array_module(positions)
+            lo, hi = (int(v) for v in _kernels.host_copy(xp.stack([positions.min(),
+                                                                     positions.max()])))
         if lo < 0:
             raise ValueError(f"positions must be non-negative, got a minimum of {lo}")
         if hi > MAX_POSITION:

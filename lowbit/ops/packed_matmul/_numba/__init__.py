@@ -72,6 +72,8 @@ def matmul_int(codes_x, scale_x, data, scale_w, format, K):
     N = data.shape[0]
     y = _backend.empty((M, N), np.float32)
     scale_w = np.ascontiguousarray(scale_w, dtype=np.float32).reshape(-1)
+    if M == 0:  # no rows: nothing to compute (the kernels size their work by the rows)
+        return y
     if USE_VNNI:
         if M <= VNNI_GEMV_MAX_ROWS:
             _vnni.gemv(codes_x, scale_x, data, scale_w, _BITS[format], y)
