@@ -204,8 +204,8 @@ def fuse_projections(config: BitNetConfig, params: dict[str, Param], *,
     for n in range(config.num_hidden_layers):
         for group in FUSED:
             names = [f"model.layers.{n}.{g}" for g in group]
-            pws = [out[name] for name in names]
-            if not all(isinstance(pw, PackedWeight) and pw.format == "ternary" for pw in pws):
+            pws = [pw for pw in (out[name] for name in names) if isinstance(pw, PackedWeight)]
+            if len(pws) < len(names) or any(pw.format != "ternary" for pw in pws):
                 continue
             if fused_view(pws) is not None:
                 continue
