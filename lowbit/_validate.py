@@ -50,6 +50,14 @@ def finite_scalar(value: object, name: str) -> float:
     return value
 
 
+def positive_scalar(value: object, name: str) -> float:
+    """``finite_scalar`` that is also > 0 (an epsilon, a rotary base)."""
+    value = finite_scalar(value, name)
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
 def floating(x: Array, name: str) -> Array:
     """Require a float32 or float64 array."""
     if x.dtype not in (np.float32, np.float64):

@@ -47,13 +47,6 @@ class LayerNormCtx(Ctx):
     eps: float
 
 
-def _eps(eps) -> float:
-    eps = _validate.finite_scalar(eps, "eps")
-    if eps <= 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
-    return eps
-
-
 def _input(x):
     """Validate ``x`` and return it contiguous."""
     x = _validate.floating(_validate.as_array(x, "x"), "x")
@@ -79,7 +72,7 @@ def layer_norm(x: Array, *, eps: float = EPS) -> Array:
         TypeError: ``x`` is not an array or not float32/float64; ``eps`` is not a real number.
         ValueError: ``x`` is 0-d or has no features; ``eps`` is not finite or not positive.
     """
-    eps = _eps(eps)
+    eps = _validate.positive_scalar(eps, "eps")
     x = _input(x)
     _, impl = _dispatch.resolve(OP, x)
     y, _, _ = impl.forward(x, eps)
@@ -100,7 +93,7 @@ def layer_norm_forward(x: Array, *, eps: float = EPS, saved: str | SavedConfig |
         ``(y, ctx)``: y [..., D] of x's dtype, ctx a ``LayerNormCtx``.
     """
     saved = saved_policy(saved)  # first: a bad policy raises before any kernel
-    eps = _eps(eps)
+    eps = _validate.positive_scalar(eps, "eps")
     x = _input(x)
     _, impl = _dispatch.resolve(OP, x)
     y, _, rstd = impl.forward(x, eps)

@@ -47,13 +47,6 @@ class RMSNormCtx(Ctx):
     eps: float
 
 
-def _eps(eps) -> float:
-    eps = _validate.finite_scalar(eps, "eps")
-    if eps <= 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
-    return eps
-
-
 def _inputs(x, weight):
     """Validate ``x`` and ``weight`` and return both contiguous."""
     x = _validate.floating(_validate.as_array(x, "x"), "x")
@@ -92,7 +85,7 @@ def rms_norm(x: Array, weight: Array, *, eps: float = EPS) -> Array:
         ValueError: ``x`` is 0-d or has no features; ``weight`` is not of shape [D]; ``eps`` is
             not finite or not positive.
     """
-    eps = _eps(eps)
+    eps = _validate.positive_scalar(eps, "eps")
     x, weight = _inputs(x, weight)
     _, impl = _dispatch.resolve(OP, x, weight)
     y, _ = impl.forward(x, weight, eps)
@@ -116,7 +109,7 @@ def rms_norm_forward(x: Array, weight: Array, *, eps: float = EPS,
         TypeError, ValueError: as ``rms_norm``, and for a bad ``saved`` policy (checked first).
     """
     saved = saved_policy(saved)  # first: a bad policy raises before any kernel
-    eps = _eps(eps)
+    eps = _validate.positive_scalar(eps, "eps")
     x, weight = _inputs(x, weight)
     _, impl = _dispatch.resolve(OP, x, weight)
     y, rstd = impl.forward(x, weight, eps)

@@ -126,13 +126,6 @@ def _tables(positions, D, theta, dtype):
     return rotary_tables(positions, D, theta, dtype)
 
 
-def _theta(theta) -> float:
-    theta = _validate.finite_scalar(theta, "theta")
-    if theta <= 0:
-        raise ValueError(f"theta must be > 0, got {theta}")
-    return theta
-
-
 def _style(style) -> str:
     if not isinstance(style, str):
         raise TypeError(f"style must be a string, one of {STYLES}, got {type(style).__name__}")
@@ -198,7 +191,7 @@ def _positions(positions, x):
 
 
 def _prepare(x, positions, theta, style):
-    theta = _theta(theta)
+    theta = _validate.positive_scalar(theta, "theta")
     style = _style(style)
     x3 = _x(x)
     return x3, _positions(positions, x3), theta, style, tuple(x.shape)
