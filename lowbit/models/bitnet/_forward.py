@@ -126,31 +126,38 @@ def _erf(xp):
     return special.erf
 
 
-def _attend(config, cache, layer, q, k, v, counts, starts):
-    """Write the new keys/values into ``cache`` and attend; q [N, H, d] -> [N, H, d]."""
+def _attention_plan(cache: KVCache, counts: np.ndarray, starts: np.ndarray):
+    """What every layer's ``_attend`` does, worked out once a forward: the cache rows the new
+    keys and values go to, ``(sequence offset, cache row, count)``, and the key rows and segments
+    the queries attend to."""
     C = cache.capacity
-    kc, vc = cache.k[layer], cache.v[layer]
-    off = 0
-    for b, n in enumerate(counts):
+    writes, off = [], 0
+    for b, n in enumerate(counts.tolist()):
         if n:
-            row = b * C + int(starts[b])
-            kc[row:row + n] = k[off:off + n]
-            vc[row:row + n] = v[off:off + n]
+            writes.append((off, b * C + int(starts[b]), n))
             off += n
-    ends = starts + counts
+    ends = (starts + counts).tolist()
     active = np.flatnonzero(counts)
     if len(active) == 1:  # one sequence: its rows are a contiguous view of the cache
         b = int(active[0])
-        keys = slice(b * C, b * C + int(ends[b]))
-        return segmented_attention(q, kc[keys], vc[keys], [int(counts[b])],
-                                   k_lengths=[int(ends[b])], causal=True)
+        return writes, slice(b * C, b * C + ends[b]), [int(counts[b])], [ends[b]]
     # Several: each sequence's rows, then the unused rest of its capacity as a segment of no
     # queries, so the whole cache is the key array and nothing is copied.
     lengths, k_lengths = [], []
     for b in range(cache.batch):
         lengths += [int(counts[b]), 0]
-        k_lengths += [int(ends[b]), C - int(ends[b])]
-    return segmented_attention(q, kc, vc, lengths, k_lengths=k_lengths, causal=True)
+        k_lengths += [ends[b], C - ends[b]]
+    return writes, slice(None), lengths, k_lengths
+
+
+def _attend(cache, layer, q, k, v, plan):
+    """Write the new keys/values into ``cache`` and attend; q [N, H, d] -> [N, H, d]."""
+    writes, keys, lengths, k_lengths = plan
+    kc, vc = cache.k[layer], cache.v[layer]
+    for off, row, n in writes:
+        kc[row:row + n] = k[off:off + n]
+        vc[row:row + n] = v[off:off + n]
+    return segmented_attention(q, kc[keys], vc[keys], lengths, k_lengths=k_lengths, causal=True)
 
 
 def _project(h: Array, pws: list) -> list:
@@ -186,6 +193,7 @@ def run(config: BitNetConfig, params: dict[str, Any], tokens: Array, counts: np.
     x = embed(tokens, params["model.embed_tokens"])
     N = x.shape[0]
     pos = xp.asarray(positions)
+    plan = _attention_plan(cache, counts, starts)
     for n in range(config.num_hidden_layers):
         p = f"model.layers.{n}."
         h = rms_norm(x, params[p + "input_layernorm"], eps=eps)
@@ -194,8 +202,7 @@ def run(config: BitNetConfig, params: dict[str, Any], tokens: Array, counts: np.
         # q and k share their positions: one rotation of both heads' rows
         qk = rotary(xp.concatenate([q, k], axis=1).reshape(N, H + Hkv, d), pos,
                     theta=config.rope_theta, style="half")
-        a = _attend(config, cache, n, qk[:, :H], qk[:, H:], v.reshape(N, Hkv, d), counts,
-                    starts).reshape(N, H * d)
+        a = _attend(cache, n, qk[:, :H], qk[:, H:], v.reshape(N, Hkv, d), plan).reshape(N, H * d)
         a = rms_norm(a, params[p + "self_attn.attn_sub_norm"], eps=eps)
         x = x + packed_matmul(a, params[p + "self_attn.o_proj"])
         h = rms_norm(x, params[p + "post_attention_layernorm"], eps=eps)
