@@ -16,7 +16,7 @@ CLIP_EPS = 1e-6
 
 
 def adamw_ref(params, grads, state=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-              weight_decay=0.01, max_grad_norm=None):
+              weight_decay=0.01, max_grad_norm=None, no_decay=()):
     """One AdamW step in float64; nothing passed in is modified.
 
     Args:
@@ -26,6 +26,8 @@ def adamw_ref(params, grads, state=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
             earlier call, or None before the first step (moments start at zero).
         lr, betas, eps, weight_decay: the AdamW hyperparameters.
         max_grad_norm: clip the global gradient 2-norm to this value first, or None.
+        no_decay: names of the parameters whose weight decay is 0 (the others use
+            ``weight_decay``); every name must be a key of ``params``.
 
     Returns:
         ``(new_params, new_state, grad_norm)``: float64 arrays shaped like the params, the state
@@ -34,6 +36,9 @@ def adamw_ref(params, grads, state=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
     """
     beta1, beta2 = betas
     names = sorted(params)
+    for k in no_decay:
+        if k not in params:
+            raise ValueError(f"no_decay names {k!r}, not a parameter")
     step = (0 if state is None else state["step"]) + 1
     flat_grads = {k: np.asarray(grads[k], dtype=np.float64).reshape(-1) for k in names}
 
@@ -59,9 +64,10 @@ def adamw_ref(params, grads, state=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
         else:
             m = np.asarray(state["exp_avg"][k], dtype=np.float64).reshape(-1).copy()
             v = np.asarray(state["exp_avg_sq"][k], dtype=np.float64).reshape(-1).copy()
+        decay = 0.0 if k in no_decay else weight_decay
         for i in range(p.size):
             g = flat_grads[k][i] * scale
-            p[i] = p[i] * (1.0 - lr * weight_decay)
+            p[i] = p[i] * (1.0 - lr * decay)
             m[i] = beta1 * m[i] + (1.0 - beta1) * g
             v[i] = beta2 * v[i] + (1.0 - beta2) * g * g
             m_hat = m[i] / bias1

@@ -80,6 +80,10 @@ HYPER = {
     "decay_clip_triggered": ({"weight_decay": 0.1, "max_grad_norm": 0.5}, True),
     "clip_not_triggered": ({"max_grad_norm": 1e3, "betas": (0.8, 0.99), "eps": 1e-2}, False),
     "no_decay_clip_triggered": ({"weight_decay": 0.0, "max_grad_norm": 2.0}, True),
+    # Parameter groups: the named parameters do not decay, the others do.
+    "groups": ({"weight_decay": 0.3, "no_decay": ("bias", "w")}, None),
+    "groups_clip_triggered": ({"weight_decay": 0.2, "max_grad_norm": 0.5,
+                               "no_decay": ["proj"]}, True),
 }
 
 
@@ -167,6 +171,69 @@ def test_state_dict_round_trip_continues_bitwise(backend, rng):
     for field in ("exp_avg", "exp_avg_sq"):
         for k in SHAPES:
             assert_equal(field, saved[field][k], state[field][k])
+
+
+def test_no_decay_is_weight_decay_zero_for_those_names_only(backend, rng):
+    # The group's parameters step as with weight_decay=0, the others as without groups: bitwise,
+    # so the option changes the decay of exactly the named parameters and nothing else.
+    params0 = _params(rng, SHAPES, np.float32)
+    grads = _grad_seq(rng, SHAPES, np.float32, 3)
+    runs = {}
+    for label, hyper in {"groups": {"weight_decay": 0.5, "no_decay": ("gain", "w")},
+                         "all": {"weight_decay": 0.5}, "none": {"weight_decay": 0.0}}.items():
+        opt = lowbit.AdamW(lr=1e-2, max_grad_norm=1.0, **hyper)
+        params = {k: backend.to(v.copy()) for k, v in params0.items()}
+        for g in grads:
+            opt.step(params, {k: backend.to(v) for k, v in g.items()})
+        runs[label] = params
+    assert opt.no_decay == ()
+    for k in SHAPES:
+        assert_equal(f"params[{k}]", runs["none" if k in ("gain", "w") else "all"][k],
+                     runs["groups"][k])
+        assert not np.array_equal(to_numpy(runs["all"][k]), to_numpy(runs["none"][k]))
+
+
+def test_no_decay_round_trips_through_the_state(backend, rng):
+    hyper = {"lr": 3e-3, "weight_decay": 0.2, "no_decay": ["w", "bias"]}
+    a, a_params = _stepped(backend, rng, hyper)
+    assert a.no_decay == ("bias", "w")
+    state = a.state_dict()
+    assert state["no_decay"] == ("bias", "w")
+    b = lowbit.AdamW()  # no_decay comes from the state
+    b.load_state_dict(state)
+    assert b.no_decay == ("bias", "w")
+    b_params = _copy(a_params)
+    for grads in _grad_seq(rng, SHAPES, np.float32, 2):
+        grads = {k: backend.to(g) for k, g in grads.items()}
+        a.step(a_params, grads)
+        b.step(b_params, grads)
+        _assert_same(a_params, a, b_params, b)
+
+
+def test_state_without_no_decay_loads_as_decay_on_all(backend, rng):
+    # A state written before the option existed (older checkpoints) has no "no_decay" key: it
+    # loads, with decay on every parameter, as the optimizer that wrote it had.
+    a, a_params = _stepped(backend, rng, {"weight_decay": 0.2})
+    old = {k: v for k, v in a.state_dict().items() if k != "no_decay"}
+    b = lowbit.AdamW(no_decay=("w",))
+    b.load_state_dict(old)
+    assert b.no_decay == ()
+    b_params = _copy(a_params)
+    grads = {k: backend.to(g) for k, g in _grad_seq(rng, SHAPES, np.float32, 1)[0].items()}
+    a.step(a_params, grads)
+    b.step(b_params, grads)
+    _assert_same(a_params, a, b_params, b)
+
+
+def test_unknown_no_decay_name_raises_at_the_step(rng, never_runs):
+    params, grads = _valid(rng)
+    keep = _copy(params)
+    opt = lowbit.AdamW(no_decay=("a", "embed"))  # a name is checked against the params
+    with pytest.raises(ValueError, match=r"no_decay names \['embed'\], which are not keys"):
+        opt.step(params, grads)
+    assert opt.state_dict()["step"] == 0 and not opt.state_dict()["exp_avg"]
+    for k in params:
+        np.testing.assert_array_equal(params[k], keep[k])
 
 
 def test_two_optimizers_from_one_state_agree_bitwise(backend, rng):
@@ -280,6 +347,9 @@ def _hyper_id(value):
     ({"max_grad_norm": 0.0}, ValueError, "max_grad_norm"),
     ({"max_grad_norm": -1.0}, ValueError, "max_grad_norm"),
     ({"max_grad_norm": math.nan}, ValueError, "max_grad_norm"),
+    ({"no_decay": "embed"}, TypeError, r"no_decay.*\('embed',\)"),
+    ({"no_decay": None}, TypeError, "no_decay"), ({"no_decay": (1,)}, TypeError, "no_decay"),
+    ({"no_decay": ("a", "a")}, ValueError, "no_decay names a parameter twice"),
 ], ids=_hyper_id)
 def test_bad_hyperparameter(never_runs, kwargs, error, word):
     with pytest.raises(error, match=word):
@@ -410,6 +480,9 @@ def _state_cases():
         "bad_weight_decay": (with_(weight_decay=-1.0), ValueError, r"state\['weight_decay'\]"),
         "bad_max_grad_norm": (with_(max_grad_norm=0.0), ValueError,
                               r"state\['max_grad_norm'\]"),
+        "bad_no_decay": (with_(no_decay="a"), TypeError, r"state\['no_decay'\]"),
+        "no_decay_without_moments": (with_(no_decay=("a", "z")), ValueError,
+                                     r"state\['no_decay'\] names \['z'\]"),
         "moment_names_differ": (moments("exp_avg_sq", c=np.zeros(4, np.float32)), ValueError,
                                 r"state\['exp_avg_sq'\].*extra \['c'\]"),
         "names_other_than_mine": (

@@ -179,6 +179,7 @@ CASES = {  # (function, option[, variant]) -> (default call, call with the optio
     ("AdamW", "eps"): _pair(_adamw, "eps", 1.0),
     ("AdamW", "weight_decay"): _pair(_adamw, "weight_decay", 0.5),
     ("AdamW", "max_grad_norm"): _pair(_adamw, "max_grad_norm", 0.01),
+    ("AdamW", "no_decay"): _pair(_adamw, "no_decay", ("w",), weight_decay=0.5),
     ("SavedConfig", "format"): (lambda: save(_f(3, 40), lowbit.SavedConfig()),
                                 lambda: save(_f(3, 40), lowbit.SavedConfig("int2"))),
     ("SavedConfig", "group_size"): (lambda: save(_f(3, 40), lowbit.SavedConfig()),

@@ -1,8 +1,10 @@
 """Training the BDH model (``lowbit/models/train.py``): the loss falls, runs repeat bitwise,
-checkpoints resume bitwise in a fresh process and are written atomically."""
+checkpoints resume bitwise in a fresh process and are written atomically, gradient
+accumulation equals the larger batch, and ``max_grad_norm`` agrees with a passed optimizer."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 from helpers import assert_equal
 
+import lowbit
 import lowbit.io
 from lowbit.models import bdh, train
 
@@ -151,3 +154,99 @@ def test_schedules():
     assert all(bn(s)[0] >= bn(s + 1)[0] for s in range(10, 110))
     with pytest.raises(ValueError, match="schedule"):
         train.Schedule("cosine")
+
+
+def _train_from_scratch(corpus, batch, *, seed=3, **options):
+    config = bdh.BDHConfig(**TINY)  # dropout 0.1: the masks must be the larger batch's too
+    params = bdh.init_params(config, seed=1)
+    batches = train.Batches(corpus, block=16, batch=batch, seed=5)
+    schedule = train.Schedule("fp32", lr=3e-3, warmup=1, steps=2)
+    history = train.train(config, params, batches, schedule, seed=seed, eval_batches=1,
+                          progress=False, **options)
+    return params, history
+
+
+def test_accumulation_equals_the_larger_batch(corpus):
+    # The rows: two draws of 3 rows are the rows of one draw of 6 (one generator stream).
+    small, large = train.Batches(corpus, 16, 3, seed=5), train.Batches(corpus, 16, 6, seed=5)
+    for _ in range(2):
+        np.testing.assert_array_equal(np.concatenate([small.sample()[0], small.sample()[0]]),
+                                      large.sample()[0])
+    acc, acc_history = _train_from_scratch(corpus, 3, accumulate=2)
+    one, one_history = _train_from_scratch(corpus, 6)
+    other_masks, _ = _train_from_scratch(corpus, 6, seed=4)
+    # Tolerance: the two runs' gradients differ only by the float32 rounding of their sums
+    # (relative ~1e-6). AdamW moves a parameter by about lr = 3e-3 per step, normalized, so that
+    # rounding changes a step by ~lr * 1e-6 = 3e-9, next to the parameters' own float32 ulp
+    # (~2e-9 at |p| ~ 0.03); 1e-6 over two steps leaves a margin for gradient elements that
+    # nearly cancel (larger relative error) and is still 1e4 times below the 1e-2 change that
+    # other dropout masks (or rows) make, checked below so the comparison can fail.
+    for name in bdh.PARAMS:
+        np.testing.assert_allclose(acc[name], one[name], rtol=0, atol=1e-6, err_msg=name)
+        assert np.abs(one[name] - other_masks[name]).max() > 1e-3, name
+    np.testing.assert_allclose([v for _, v in acc_history["train"]],
+                               [v for _, v in one_history["train"]], rtol=1e-6)
+    # Every micro-batch is counted: 2 steps of 2 micro-batches of 3 rows of 16 tokens.
+    assert acc_history["tokens"] == one_history["tokens"] == 2 * 6 * 16
+    assert [s for s, _ in acc_history["train"]] == [1, 2]
+
+
+@pytest.mark.parametrize("value, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError),
+                                          (True, TypeError), ("2", TypeError)])
+def test_bad_accumulate(corpus, value, error):
+    with pytest.raises(error, match="accumulate"):
+        _train_from_scratch(corpus, 2, accumulate=value)
+
+
+def test_max_grad_norm_must_agree_with_a_passed_optimizer(corpus):
+    # The optimizer clips: a max_grad_norm it would not use raises, naming both values.
+    for opt_norm, arg in ((None, {}), (0.5, {}), (0.5, {"max_grad_norm": None}),
+                          (None, {"max_grad_norm": 2.0})):
+        opt = lowbit.AdamW(max_grad_norm=opt_norm)
+        passed = arg.get("max_grad_norm", 1.0)
+        with pytest.raises(ValueError, match=rf"max_grad_norm={passed}.*optimizer's "
+                                             rf"max_grad_norm \({opt_norm}\)"):
+            _train_from_scratch(corpus, 2, optimizer=opt, **arg)
+        assert opt.state_dict()["step"] == 0
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        _train_from_scratch(corpus, 2, max_grad_norm=0.0)
+    # Agreeing values train, clipping with the optimizer's norm.
+    opt = lowbit.AdamW(max_grad_norm=1e-3)
+    _train_from_scratch(corpus, 2, optimizer=opt, max_grad_norm=1e-3)
+    assert opt.state_dict()["step"] == 2 and opt.last_grad_norm > 1e-3
+    unclipped = lowbit.AdamW(max_grad_norm=None)
+    _train_from_scratch(corpus, 2, optimizer=unclipped, max_grad_norm=None)
+    assert unclipped.last_grad_norm is None
+
+
+def test_parameter_groups_survive_a_checkpoint_and_old_ones_load(corpus, tmp_path):
+    config = bdh.BDHConfig(**TINY)
+    opt = lowbit.AdamW(lr=1e-3, no_decay=("embed",), max_grad_norm=1.0)
+    params, _ = _train_from_scratch(corpus, 2, optimizer=opt)
+    batches = train.Batches(corpus, block=16, batch=2, seed=5)
+    path = str(tmp_path / "groups.safetensors")
+    train.save_checkpoint(path, config, params, opt, 2, batches)
+    restored = lowbit.AdamW()
+    restored.load_state_dict(train.load_checkpoint(path, config)["optimizer"])
+    assert restored.no_decay == ("embed",)
+    # A checkpoint written before parameter groups existed (no "no_decay" in its optimizer
+    # entry) still loads, with decay on every parameter.
+    arrays, meta = lowbit.io.safetensors.load(path, with_metadata=True)
+    entry = json.loads(meta["checkpoint"])
+    del entry["optimizer"]["no_decay"]
+    old = str(tmp_path / "old.safetensors")
+    lowbit.io.safetensors.save(old, arrays, metadata={"checkpoint": json.dumps(entry)})
+    restored.load_state_dict(train.load_checkpoint(old, config)["optimizer"])
+    assert restored.no_decay == () and restored.state_dict()["step"] == 2
+
+
+def test_config_defaults_are_the_references():
+    # pathwaycom/bdh's BDHConfig; every config of the tests, the README and the main job names
+    # its multiplier, so this default changes none of them.
+    config = bdh.BDHConfig()
+    assert (config.n_layer, config.n_embd, config.dropout, config.n_head,
+            config.mlp_internal_dim_multiplier, config.vocab_size) == (6, 256, 0.1, 4, 128, 256)
+    assert config.n_latent == 8192
+    # A checkpoint's config entry names every field: it rebuilds the config it was written for.
+    small = bdh.BDHConfig(**TINY)
+    assert train.config_from_dict(train._config_dict(small)) == small

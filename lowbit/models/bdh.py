@@ -43,7 +43,8 @@ LEVEL_SEED_MUL = 0x9E3779B1
 
 @dataclasses.dataclass(frozen=True)
 class BDHConfig:
-    """The model's shape (the reference's field names and defaults) and lowbit's own fields.
+    """The model's shape (pathwaycom/bdh's field names and defaults: 6 levels, D = 256, H = 4,
+    multiplier 128, so N = 8192 per head) and lowbit's own fields.
 
     Attributes:
         n_layer: applications of the shared low-rank residual step.
@@ -62,7 +63,7 @@ class BDHConfig:
     n_embd: int = 256
     dropout: float = 0.1
     n_head: int = 4
-    mlp_internal_dim_multiplier: int = 64
+    mlp_internal_dim_multiplier: int = 128
     vocab_size: int = 256
     plan: LowBitPlan = LowBitPlan()
     saved: str | SavedConfig | None = None

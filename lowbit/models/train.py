@@ -12,6 +12,12 @@ Data parallelism: ``train(..., comm=lowbit.distributed.communicator())`` under `
 rank draws its own rows (``Batches(..., rank=comm.rank)``) and the dropout masks are keyed by
 global row, so R ranks of batch b train as one process of batch R * b made of the same rows
 (``tests/test_distributed.py``, ``bench/train_distributed.py``).
+
+Gradient accumulation: ``train(..., accumulate=k)`` runs k micro-batches of ``batches.batch`` rows
+per optimizer step and averages their gradients: the k draws are the rows one batch of
+``k * batches.batch`` rows would draw, and the dropout masks of micro-batch j are those of rows
+``j * batch`` to ``(j + 1) * batch - 1`` of that batch, so it trains as ``batch=k * batch`` with
+``accumulate=1`` does, to float32 rounding, in about a k-th of the activation memory.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from ..distributed import Communicator
 from ..io import safetensors as checkpoint_file
 from ..io._files import StrPath
 from ..ops.adamw import AdamW
+from ..ops.adamw import _max_grad_norm as _check_max_grad_norm
 from ..ops.lowrank_residual import BlockPattern, LowBitPlan
 from ..ops.saved_activation import SavedConfig
 from . import bdh
@@ -266,9 +273,52 @@ def evaluate(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches, 
     return float(mean[0])
 
 
+def _gradients(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches,
+               accumulate: int, seed: int, first_row: int
+               ) -> tuple[dict[str, Array], Array, float]:
+    """Loss and gradients of one step: ``accumulate`` micro-batches, averaged.
+
+    Micro-batch j draws the next ``batches.batch`` rows and keys its dropout masks as the rows
+    from ``first_row + j * batches.batch`` on of one large batch (same ``seed``).
+
+    Returns:
+        ``(grads, loss, seconds)``: the mean gradients (float32, on the params' array module), the
+        mean loss (a float32 array of shape [1]) and the seconds spent computing (not drawing).
+    """
+    xp = _backend.array_module(params["embed"])
+    total: dict[str, Array] = {}
+    losses = []
+    seconds = 0.0
+    for micro in range(accumulate):
+        ids, targets = batches.sample("train")
+        begin = time.perf_counter()
+        loss, ctx = bdh.forward(config, params, xp.asarray(ids), xp.asarray(targets), seed=seed,
+                                row_offset=first_row + micro * batches.batch)
+        grads = bdh.backward(ctx)
+        del ctx
+        if micro == 0:
+            total = grads  # fresh arrays of backward's: summed into in place
+        else:
+            for name in total:
+                total[name] += grads[name]
+        del grads
+        losses.append(loss)
+        seconds += time.perf_counter() - begin
+    begin = time.perf_counter()
+    if accumulate == 1:  # exactly the one-batch step
+        mean_loss = xp.array(losses[0], dtype=np.float32, ndmin=1)
+    else:
+        for name in total:
+            total[name] *= np.float32(1.0 / accumulate)
+        mean_loss = xp.array(sum(float(v) for v in losses) / accumulate, dtype=np.float32,
+                             ndmin=1)
+    return total, mean_loss, seconds + time.perf_counter() - begin
+
+
 def train(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches, schedule: Schedule,
           *, steps: int | None = None, start_step: int = 0, optimizer: AdamW | None = None,
-          seed: int = 0, eval_every: int = 0, eval_batches: int = 4, max_grad_norm: float = 1.0,
+          seed: int = 0, eval_every: int = 0, eval_batches: int = 4,
+          max_grad_norm: float | None = 1.0, accumulate: int = 1,
           callback: Callable[[int, dict[str, float]], object] | None = None,
           progress: bool = True, checkpoint: StrPath | None = None,
           comm: Communicator | None = None) -> dict[str, Any]:
@@ -278,8 +328,17 @@ def train(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches, sch
     Args:
         config, params: the model (``bdh.BDHConfig``, dict of float32 arrays, updated in place).
         batches: a ``Batches`` stream; schedule: a ``Schedule``.
-        optimizer: an ``AdamW`` to continue (from a checkpoint), else a new one.
+        optimizer: an ``AdamW`` to continue (from a checkpoint), else a new one (with
+            ``max_grad_norm``, and ``lr`` and ``weight_decay`` from the schedule).
         seed: keys the dropout masks, ``(seed, step)`` per step and global row per row.
+        max_grad_norm: clip the global gradient norm to this (None: no clipping). The optimizer
+            clips, so with an ``optimizer`` passed in this must equal its ``max_grad_norm`` (an
+            optimizer restored from a checkpoint of ``train`` has the value it was trained with;
+            pass ``max_grad_norm=None`` with an ``AdamW`` made without clipping).
+        accumulate: micro-batches per optimizer step (an int >= 1): each step draws
+            ``accumulate`` batches of ``batches.batch`` rows and averages their gradients and
+            losses, as one batch ``accumulate`` times larger (to float32 rounding: the rows and
+            dropout masks are that batch's). Pass the same value when resuming.
         eval_every: validation loss every this many steps and at the end (0: only at the end).
         callback: called as ``callback(step, record)`` after every step.
         progress: show a tqdm progress bar with step, loss and tokens/s.
@@ -294,13 +353,27 @@ def train(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches, sch
             exception on any rank ends the job on every rank (``comm.guard()``).
 
     Returns:
-        dict: ``train`` [(step, loss)], ``val`` [(step, loss)], ``tokens_per_s`` (this rank's),
-        ``comm_s`` (seconds spent averaging gradients), ``optimizer``.
+        dict: ``train`` [(step, loss)] (the loss averaged over the step's micro-batches),
+        ``val`` [(step, loss)], ``tokens`` (trained on by this rank, every micro-batch counted),
+        ``tokens_per_s`` (this rank's), ``comm_s`` (seconds spent averaging gradients),
+        ``optimizer``.
+
+    Raises:
+        TypeError, ValueError: a bad ``steps``, ``accumulate`` or ``max_grad_norm``; an
+            ``optimizer`` whose ``max_grad_norm`` differs from the ``max_grad_norm`` argument
+            (both named); ``batches.rank`` other than the communicator's rank.
     """
     comm = Communicator() if comm is None else comm
     with comm.guard():
-        xp = _backend.array_module(params["embed"])
         steps = schedule.steps if steps is None else _validate.integer(steps, "steps", minimum=0)
+        accumulate = _validate.integer(accumulate, "accumulate", minimum=1)
+        max_grad_norm = _check_max_grad_norm(max_grad_norm)
+        if optimizer is not None and optimizer.max_grad_norm != max_grad_norm:
+            raise ValueError(
+                f"max_grad_norm={max_grad_norm!r} differs from the optimizer's max_grad_norm "
+                f"({optimizer.max_grad_norm!r}), which is what clips: pass "
+                f"max_grad_norm={optimizer.max_grad_norm!r} with this optimizer, or an AdamW "
+                f"made with max_grad_norm={max_grad_norm!r}")
         if batches.rank != comm.rank:
             raise ValueError(f"batches.rank ({batches.rank}) must be the communicator's rank "
                              f"({comm.rank}): each rank draws its own rows")
@@ -312,7 +385,7 @@ def train(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches, sch
             comm.check_same((config, [(n, tuple(params[n].shape), str(params[n].dtype))
                                       for n in names], schedule, batches.block, batches.batch,
                              steps, start_step, opt_state, seed, eval_every, eval_batches,
-                             max_grad_norm, checkpoint is None),
+                             max_grad_norm, accumulate, checkpoint is None),
                             "the configs, parameter shapes and training arguments")
         comm.broadcast([params[n] for n in names])
         if optimizer is None:
@@ -327,22 +400,17 @@ def train(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches, sch
         tokens = 0
         busy = communicating = 0.0
         for step in range(start_step, steps):
-            ids, targets = batches.sample("train")
-            begin = time.perf_counter()
             optimizer.lr, optimizer.weight_decay = schedule(step)
-            loss, ctx = bdh.forward(config, params, xp.asarray(ids), xp.asarray(targets),
-                                    seed=(seed * 1_000_003 + step) % 2**32,
-                                    row_offset=comm.rank * batches.batch)
-            grads = bdh.backward(ctx)
-            del ctx
-            loss = xp.array(loss, dtype=np.float32, ndmin=1)
-            sent = time.perf_counter()
+            grads, loss, busy_micro = _gradients(
+                config, params, batches, accumulate, seed=(seed * 1_000_003 + step) % 2**32,
+                first_row=comm.rank * accumulate * batches.batch)
+            begin = sent = time.perf_counter()
             comm.allreduce_mean([grads[n] for n in names] + [loss])
             communicating += time.perf_counter() - sent
             optimizer.step(params, grads)
             value = float(loss[0])
-            busy += time.perf_counter() - begin
-            tokens += ids.size
+            busy += time.perf_counter() - begin + busy_micro
+            tokens += accumulate * batches.batch * batches.block
             record = {"loss": value, "lr": optimizer.lr, "tokens_per_s": tokens / busy}
             history["train"].append((step + 1, value))
             last = step + 1 == steps
@@ -356,6 +424,7 @@ def train(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches, sch
                 callback(step + 1, record)
         if bar is not None:
             bar.close()
+        history["tokens"] = tokens
         history["tokens_per_s"] = tokens / busy if busy else 0.0
         history["comm_s"] = communicating
         if checkpoint is not None:

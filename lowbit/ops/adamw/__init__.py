@@ -23,7 +23,10 @@ from ..._typing import Array
 #: Added to the total norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does.
 CLIP_EPS = 1e-6
 _STATE_KEYS = frozenset({"step", "lr", "betas", "eps", "weight_decay", "max_grad_norm",
-                         "exp_avg", "exp_avg_sq"})
+                         "no_decay", "exp_avg", "exp_avg_sq"})
+#: Keys a state may lack: states written before they existed load with their old meaning
+#: (``no_decay`` missing: weight decay on every parameter).
+_OPTIONAL_STATE_KEYS = frozenset({"no_decay"})
 
 
 def _nonnegative(value, name):
@@ -60,6 +63,20 @@ def _max_grad_norm(value, name="max_grad_norm"):
     if value <= 0:
         raise ValueError(f"{name} must be None or > 0, got {value}")
     return value
+
+
+def _no_decay(value, name="no_decay"):
+    """A sorted tuple of distinct parameter names (str) that get no weight decay."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list, set, frozenset)):
+        raise TypeError(f"{name} must be a tuple of parameter names (str), got {value!r}"
+                        + (f"; write ({value!r},) for one name" if isinstance(value, str)
+                           else ""))
+    for key in value:
+        if not isinstance(key, str):
+            raise TypeError(f"{name} must hold parameter names (str), got {key!r}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"{name} names a parameter twice: {sorted(value)}")
+    return tuple(sorted(value))
 
 
 def _key_difference(name, got, expected, against):
@@ -125,7 +142,7 @@ class AdamW:
     Each step, for every parameter ``p`` with gradient ``g`` (after optional clipping of the
     global norm to ``max_grad_norm``, as ``torch.nn.utils.clip_grad_norm_``)::
 
-        p -= lr * weight_decay * p
+        p -= lr * weight_decay * p          # skipped for the names in no_decay
         m = beta1 * m + (1 - beta1) * g
         v = beta2 * v + (1 - beta2) * g * g
         p -= lr * (m / (1 - beta1**t)) / (sqrt(v / (1 - beta2**t)) + eps)
@@ -148,6 +165,14 @@ class AdamW:
         eps: > 0, added to the denominator.
         weight_decay: >= 0, decoupled (multiplies the parameter by ``1 - lr * weight_decay``).
         max_grad_norm: None (no clipping) or > 0.
+        no_decay: a tuple of parameter names (str) that get no weight decay (default ``()``).
+
+    Parameter groups: ``no_decay`` names keys of the ``params`` dict, e.g. ``("embed",)``, whose
+    weight decay is 0 (as nanoGPT exempts some parameters); the others decay by
+    ``weight_decay``, and clipping and the moments are the same for all. The default ``()``
+    decays every parameter, as pathwaycom/bdh does. Each name must be a key of the params
+    passed to ``step``: an unknown name raises ``ValueError`` naming it there, before anything
+    is updated.
 
     Raises:
         TypeError, ValueError: a bad hyperparameter; the message names it.
@@ -155,12 +180,13 @@ class AdamW:
 
     def __init__(self, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01,
-                 max_grad_norm: float | None = None) -> None:
+                 max_grad_norm: float | None = None, no_decay: tuple[str, ...] = ()) -> None:
         self._lr = _nonnegative(lr, "lr")
         self._betas = _betas(betas)
         self._eps = _eps(eps)
         self._weight_decay = _nonnegative(weight_decay, "weight_decay")
         self._max_grad_norm = _max_grad_norm(max_grad_norm)
+        self._no_decay = _no_decay(no_decay)
         self._step = 0
         self._exp_avg: dict[str, Array] = {}
         self._exp_avg_sq: dict[str, Array] = {}
@@ -200,6 +226,11 @@ class AdamW:
         return self._max_grad_norm
 
     @property
+    def no_decay(self) -> tuple[str, ...]:
+        """The sorted names of the parameters that get no weight decay (``()``: none)."""
+        return self._no_decay
+
+    @property
     def last_grad_norm(self) -> float | None:
         """Global 2-norm of the last step's gradients before clipping (float), or None when
         clipping is off or no step has run."""
@@ -213,6 +244,10 @@ class AdamW:
         problem = _key_difference("grads", _names(grads, "grads"), names, "params")
         if problem:
             raise problem
+        unknown = sorted(set(self._no_decay) - names)
+        if unknown:
+            raise ValueError(f"no_decay names {unknown}, which are not keys of params "
+                             f"({sorted(names)}); nothing was updated")
         names = sorted(names)
         flat_grads = {}
         kind = None
@@ -272,8 +307,9 @@ class AdamW:
                 dtype or array kind, mixed numpy/cupy.
             ValueError: differing key sets (the missing and extra keys are named), a shape
                 mismatch, a non-contiguous or read-only parameter, parameters sharing memory,
-                keys or shapes other than those of the optimizer's state, or a non-finite
-                gradient (named). Nothing is modified when it raises.
+                keys or shapes other than those of the optimizer's state, a ``no_decay`` name
+                that is not a key of ``params``, or a non-finite gradient (named). Nothing is
+                modified when it raises.
         """
         names, flat = self._validated(params, grads)
         _, impl = _dispatch.resolve("adamw", *(params[k] for k in names), *flat.values())
@@ -313,9 +349,10 @@ class AdamW:
         bias1 = 1.0 - beta1 ** self._step
         bias2 = 1.0 - beta2 ** self._step
         for k in names:
+            decay = 0.0 if k in self._no_decay else self._weight_decay
             impl.step(params[k].reshape(-1), flat[k], self._exp_avg[k].reshape(-1),
                       self._exp_avg_sq[k].reshape(-1), self._lr, beta1, beta2, self._eps,
-                      self._weight_decay, bias1, bias2, grad_scale)
+                      decay, bias1, bias2, grad_scale)
         self._last_grad_norm = grad_norm
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -325,19 +362,23 @@ class AdamW:
 
         Returns:
             ``{"step": int, "lr": float, "betas": (float, float), "eps": float,
-            "weight_decay": float, "max_grad_norm": float | None, "exp_avg": {name: array},
+            "weight_decay": float, "max_grad_norm": float | None, "no_decay": (str, ...),
+            "exp_avg": {name: array},
             "exp_avg_sq": {name: array}}``; the moments float32, shaped like the parameters, on
             the parameters' array module. Later steps do not change the returned arrays.
         """
         return {
             "step": self._step, "lr": self._lr, "betas": self._betas, "eps": self._eps,
             "weight_decay": self._weight_decay, "max_grad_norm": self._max_grad_norm,
-            "exp_avg": {k: v.copy() for k, v in self._exp_avg.items()},
+            "no_decay": self._no_decay, "exp_avg": {k: v.copy() for k, v in self._exp_avg.items()},
             "exp_avg_sq": {k: v.copy() for k, v in self._exp_avg_sq.items()},
         }
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore a ``state_dict()``: step count, hyperparameters and (copies of) the moments.
+
+        A state without ``no_decay`` (written before the option existed, as in older
+        checkpoints) loads as ``no_decay=()``: decay on every parameter, as when it was written.
 
         Raises:
             TypeError, ValueError: another set of keys, a bad value, moments that are not
@@ -347,7 +388,8 @@ class AdamW:
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
-        problem = _key_difference("state", set(state), _STATE_KEYS, "a state_dict()")
+        problem = _key_difference("state", set(state) | _OPTIONAL_STATE_KEYS,
+                                  _STATE_KEYS, "a state_dict()")
         if problem:
             raise problem
         step = _validate.integer(state["step"], "state['step']", minimum=0)
@@ -356,6 +398,7 @@ class AdamW:
         eps = _eps(state["eps"], "state['eps']")
         weight_decay = _nonnegative(state["weight_decay"], "state['weight_decay']")
         max_grad_norm = _max_grad_norm(state["max_grad_norm"], "state['max_grad_norm']")
+        no_decay = _no_decay(state.get("no_decay", ()), "state['no_decay']")
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         names = _names(exp_avg, "state['exp_avg']")
         problem = _key_difference("state['exp_avg_sq']", _names(exp_avg_sq,
@@ -378,6 +421,10 @@ class AdamW:
                                             exp_avg_sq[k].shape, "its exp_avg's")
         if len(kinds) > 1:
             raise TypeError("state['exp_avg'] and state['exp_avg_sq'] mix numpy and cupy arrays")
+        unknown = sorted(set(no_decay) - names)
+        if names and unknown:
+            raise ValueError(f"state['no_decay'] names {unknown}, which have no moments in "
+                             f"state['exp_avg'] ({sorted(names)})")
         if self._step > 0 or self._exp_avg:
             problem = _key_difference("state['exp_avg']", names, set(self._exp_avg),
                                       "this optimizer's moments")
@@ -396,6 +443,7 @@ class AdamW:
                                                                copy=True) for k in names}
         self._step, self._lr, self._betas, self._eps = step, lr, betas, eps
         self._weight_decay, self._max_grad_norm = weight_decay, max_grad_norm
+        self._no_decay = no_decay
         self._exp_avg, self._exp_avg_sq = new_m, new_v
         self._last_grad_norm = None
 
