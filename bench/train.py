@@ -10,7 +10,7 @@ installed; ``--long`` trains longer. ``cases`` gives the harness (and pytest-ben
 training step per configuration. ``--gpu`` trains on cupy arrays, ``--backend NAME`` under
 ``lowbit.use_backend(NAME)``.
 
-The model: ``lowbit/models/bdh.py``; the loop: ``lowbit/models/train.py``; the torch peer:
+The model: ``lowbit/models/bdh/``; the loop: ``lowbit/models/train.py``; the torch peer:
 ``bench/train_torch.py``.
 """
 

@@ -1,5 +1,5 @@
 """The torch peer of the training comparison: the same BDH model in plain torch (fp32, autograd,
-``torch.optim.AdamW``), written here from the equations of ``lowbit/models/bdh.py``.
+``torch.optim.AdamW``), written here from the equations of ``lowbit/models/bdh/``.
 
 Used by ``python -m bench train`` when torch is installed (``bench/train.py``). Timed the way a
 torch user runs it: tensors built before the clock starts, ``torch.set_num_threads`` equal to

@@ -1,6 +1,6 @@
 """Reference BDH language model: float64, composed of the reference layers, written plainly.
 
-Checked against: ``lowbit/models/bdh.py`` in ``tests/test_bdh.py``; this file's backward is
+Checked against: ``lowbit/models/bdh/`` in ``tests/test_bdh.py``; this file's backward is
 checked there against central finite differences of its own loss (full precision), and with a
 low-bit plan it applies the same straight-through rule as ``reference/lowrank_residual.py``.
 

@@ -1,4 +1,4 @@
-"""The BDH model (``lowbit/models/bdh.py``) against its float64 reference (``reference/bdh.py``),
+"""The BDH model (``lowbit/models/bdh/``) against its float64 reference (``reference/bdh.py``),
 and the reference's backward against central finite differences of its own loss."""
 
 from __future__ import annotations

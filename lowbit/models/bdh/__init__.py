@@ -21,18 +21,18 @@ from typing import Any, ContextManager
 
 import numpy as np
 
-from .. import _backend, _ctx, _dispatch, _validate
-from .._typing import Array
-from ..ops.lowrank_residual._pattern import latent_pattern
-from ..ops.cross_entropy import (CrossEntropyCtx, cross_entropy, cross_entropy_backward,
+from ... import _backend, _ctx, _dispatch, _validate
+from ..._typing import Array
+from ...ops.lowrank_residual._pattern import latent_pattern
+from ...ops.cross_entropy import (CrossEntropyCtx, cross_entropy, cross_entropy_backward,
                                  cross_entropy_forward)
-from ..ops.embedding import EmbeddingCtx, embedding, embedding_backward, embedding_forward
-from ..ops.layer_norm import LayerNormCtx, layer_norm, layer_norm_backward, layer_norm_forward
-from ..ops.lowrank_residual import (BlockPattern, LowBitPlan, LowrankResidualCtx,
+from ...ops.embedding import EmbeddingCtx, embedding, embedding_backward, embedding_forward
+from ...ops.layer_norm import LayerNormCtx, layer_norm, layer_norm_backward, layer_norm_forward
+from ...ops.lowrank_residual import (BlockPattern, LowBitPlan, LowrankResidualCtx,
                                     lowrank_residual, lowrank_residual_backward,
                                     lowrank_residual_forward, quantize_layer_weights)
-from ..ops.packed_matmul import LinearCtx, linear_backward, linear_forward
-from ..ops.saved_activation import SavedConfig
+from ...ops.packed_matmul import LinearCtx, linear_backward, linear_forward
+from ...ops.saved_activation import SavedConfig
 
 PARAMS = ("embed", "encoder", "encoder_v", "decoder", "lm_head")
 #: Standard deviation of every initial parameter (the reference's normal_(std=0.02)).
@@ -81,7 +81,7 @@ class BDHConfig:
             raise ValueError(f"dropout must lie in [0, 1), got {dropout}")
         if not isinstance(self.plan, LowBitPlan):
             raise TypeError(f"plan must be a lowbit.LowBitPlan, got {type(self.plan).__name__}")
-        from ..ops.saved_activation import saved_policy
+        from ...ops.saved_activation import saved_policy
 
         saved_policy(self.saved)
         latent_pattern(self.latent_pattern, self.n_head, self.n_latent, "causal_linear")
