@@ -17,6 +17,7 @@ schedules, checkpoints, the training loop); the float64 reference of the whole m
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ContextManager
 
 import numpy as np
@@ -257,39 +258,164 @@ def loss(config: BDHConfig, params: dict[str, Array], ids: Array, targets: Array
     return float(cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1)))
 
 
-def generate(config: BDHConfig, params: dict[str, Array], prompt_bytes: bytes, n: int, *,
-             temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
-             context: int | None = None) -> bytes:
-    """Sample ``n`` bytes after ``prompt_bytes``.
+def recurrent_logits(config: BDHConfig, params: dict[str, Array], ids: Array, *,
+                     prefill: int = 0) -> Array:
+    """The next-byte logits of ``logits`` computed by the recurrent form (``_recurrent.py``).
 
-    Each new byte is drawn from ``softmax(logits / temperature)`` of the last position, restricted
-    to the ``top_k`` largest logits when given, with a numpy generator seeded by ``seed``. The
-    model reads the last ``context`` bytes (default: all); its state is recomputed every step.
+    The first ``prefill`` positions are read by one parallel pass (the full forward's layers,
+    which also build the running states of the attention); every later position by one
+    recurrent step, whose cost does not depend on the position. Equal to ``logits`` to float32
+    rounding (the states sum the same products in another order).
+
+    Args:
+        config: the ``BDHConfig``; params: its float32 parameters.
+        ids: [B, T] integer array of bytes, the array kind of ``params``.
+        prefill: positions read by the parallel pass, in ``[0, T]``.
 
     Returns:
-        the ``n`` sampled bytes (without the prompt).
+        [B, T, vocab_size] float32.
+
+    Raises:
+        TypeError, ValueError: bad params, ids or prefill (the message names the argument).
     """
-    if not isinstance(prompt_bytes, (bytes, bytearray)) or not prompt_bytes:
-        raise TypeError("prompt_bytes must be non-empty bytes")
+    _check_params(config, params)
+    ids = _ids(ids, "ids", config, params["embed"])
+    prefill = _validate.integer(prefill, "prefill", minimum=0)
+    if prefill > ids.shape[1]:
+        raise ValueError(f"prefill must be at most T = {ids.shape[1]}, got {prefill}")
+    from . import _recurrent
+
+    return _recurrent.logits_all(config, params, ids, prefill)
+
+
+def _prompts(config: BDHConfig, prompt: object) -> tuple[list[bytes], bool]:
+    """``(prompts, single)``: one prompt (bytes) or a list/tuple of them, each non-empty and
+    of bytes below ``vocab_size``."""
+    single = isinstance(prompt, (bytes, bytearray))
+    items = [prompt] if single else prompt
+    if not isinstance(items, (list, tuple)) or not items:
+        raise TypeError(f"prompt must be non-empty bytes or a non-empty list of them, got "
+                        f"{type(prompt).__name__}")
+    out = []
+    for i, p in enumerate(items):
+        name = "prompt" if single else f"prompt[{i}]"
+        if not isinstance(p, (bytes, bytearray)) or not p:
+            raise TypeError(f"{name} must be non-empty bytes, got {type(p).__name__}")
+        if max(p) >= config.vocab_size:
+            raise ValueError(f"{name} holds byte {max(p)}, not below vocab_size = "
+                             f"{config.vocab_size}")
+        out.append(bytes(p))
+    return out, single
+
+
+def _stop(config: BDHConfig, stop: Any) -> frozenset:
+    if stop is None:
+        return frozenset()
+    if isinstance(stop, (str, float)):
+        raise TypeError(f"stop must be None, bytes or an iterable of byte values, got "
+                        f"{type(stop).__name__} {stop!r:.60}")
+    try:
+        values = [int(v) for v in (stop if not isinstance(stop, int) else [stop])]
+    except (TypeError, ValueError):
+        raise TypeError(f"stop must be None, bytes or an iterable of byte values, got "
+                        f"{stop!r:.60}") from None
+    if any(not 0 <= v < config.vocab_size for v in values):
+        raise ValueError(f"stop must hold byte values in [0, {config.vocab_size}), got "
+                         f"{stop!r:.60}")
+    return frozenset(values)
+
+
+def generate_stream(config: BDHConfig, params: dict[str, Array],
+                    prompt: bytes | Sequence[bytes], n: int, *, temperature: float = 1.0,
+                    top_k: int | None = None, top_p: float | None = None,
+                    stop: bytes | Iterable[int] | None = None, seed: int = 0,
+                    recurrent: bool = True, context: int | None = None) -> Iterator:
+    """Stream up to ``n`` bytes sampled after one prompt, or after several at once.
+
+    ``recurrent=True`` (the default) reads each prompt in one parallel pass and then advances
+    the attention's running state by one byte per step (``_recurrent.py``: the weights
+    quantized once per call, constant work per byte whatever the context); ``recurrent=False``
+    reruns ``logits`` over the whole context (or its last ``context`` bytes) for every byte, as
+    before. Both sample from the same logits to float32 rounding.
+
+    Args:
+        config: the ``BDHConfig``; params: its float32 parameters (numpy or cupy).
+        prompt: non-empty bytes, or a list of them (decoded together, one row each).
+        n: the most bytes generated per prompt (>= 0).
+        temperature: 0 is greedy (the first maximal logit); else the logits are divided by it.
+        top_k: sample among the ``top_k`` most likely bytes only.
+        top_p: then among the smallest set of most likely bytes whose probability reaches it.
+        stop: byte values (bytes, or an iterable of ints) that end a sequence; the stop byte is
+            not yielded. None: never stop early.
+        seed: the sampler's seed (``numpy.random.default_rng``); one draw per running sequence
+            per step, in sequence order.
+        recurrent: the recurrent form (True) or the full-context rerun (False).
+        context: with ``recurrent=False``, the model reads only the last ``context`` bytes
+            (default: all). The recurrent state holds the whole sequence, so it takes no
+            window: ``context`` with ``recurrent=True`` raises.
+
+    Yields:
+        one prompt: each new byte as ``bytes`` of length 1. Several: per step a tuple of B
+        ``bytes`` (length 1, or ``b""`` for sequences that have stopped); it ends when all
+        have stopped or after ``n`` steps.
+
+    Raises:
+        TypeError, ValueError: bad params, prompt, ``n``, sampling options, ``stop`` or
+            ``context`` (raised by this call, before any byte is computed).
+    """
+    _check_params(config, params)
+    if config.vocab_size > 256:
+        raise ValueError(f"generation yields bytes: config.vocab_size must be at most 256, got "
+                         f"{config.vocab_size}")
+    from ..bitnet._generate import check_sampling  # the house rules of the samplers
+
+    prompts, single = _prompts(config, prompt)
     n = _validate.integer(n, "n", minimum=0)
-    temperature = _validate.finite_scalar(temperature, "temperature")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
-    if top_k is not None:
-        top_k = _validate.integer(top_k, "top_k", minimum=1)
+    temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, config.vocab_size)
+    seed = _validate.integer(seed, "seed", minimum=0)
+    stops = _stop(config, stop)
+    if not isinstance(recurrent, (bool, np.bool_)):
+        raise TypeError(f"recurrent must be a bool, got {type(recurrent).__name__}")
     if context is not None:
         context = _validate.integer(context, "context", minimum=1)
-    xp = _backend.array_module(params["embed"])
-    rng = np.random.default_rng(_validate.integer(seed, "seed", minimum=0))
-    seq = list(prompt_bytes)
-    for _ in range(n):
-        window = seq[-context:] if context else seq
-        ids = xp.asarray(np.asarray(window, dtype=np.int64)[None, :])
-        last = logits(config, params, ids)[0, -1]
-        z = np.asarray(last.get() if hasattr(last, "get") else last, dtype=np.float64)
-        z = z / temperature
-        if top_k is not None and top_k < z.size:
-            z[z < np.sort(z)[-top_k]] = -np.inf
-        p = np.exp(z - z.max())
-        seq.append(int(rng.choice(z.size, p=p / p.sum())))
-    return bytes(seq[len(prompt_bytes):])
+        if recurrent:
+            raise ValueError("context (a window of the last bytes) needs recurrent=False: the "
+                             "recurrent state holds the whole sequence")
+    from . import _recurrent
+
+    return _recurrent.stream(config, params, prompts, n, temperature, top_k, top_p, seed,
+                             stops, single, bool(recurrent), context)
+
+
+def generate(config: BDHConfig, params: dict[str, Array], prompt: bytes | Sequence[bytes],
+             n: int, *, temperature: float = 1.0, top_k: int | None = None,
+             top_p: float | None = None, stop: bytes | Iterable[int] | None = None,
+             seed: int = 0, recurrent: bool = True,
+             context: int | None = None) -> bytes | list[bytes]:
+    """Sample up to ``n`` bytes after ``prompt``: ``generate_stream`` collected.
+
+    Args:
+        config, params, prompt, n, temperature, top_k, top_p, stop, seed, recurrent, context:
+            as in ``generate_stream``.
+
+    Returns:
+        one prompt: the sampled bytes (without the prompt, without the stop byte). Several:
+        a list of them, one per prompt.
+
+    Raises:
+        TypeError, ValueError: as ``generate_stream``.
+    """
+    steps = generate_stream(config, params, prompt, n, temperature=temperature, top_k=top_k,
+                            top_p=top_p, stop=stop, seed=seed, recurrent=recurrent,
+                            context=context)
+    if isinstance(prompt, (bytes, bytearray)):
+        return b"".join(steps)
+    out = [b""] * len(prompt)
+    for new in steps:
+        out = [a + b for a, b in zip(out, new)]
+    return out
+
+
+# pathwaycom/bdh's torch state dict, converted without torch (``_torch.py``).
+from ._torch import (from_torch_state_dict, infer_torch_config,  # noqa: E402,F401
+                     to_torch_state_dict)
