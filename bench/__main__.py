@@ -28,7 +28,7 @@ from . import _harness
 #: Every suite, runnable by name (``python -m bench SUITE``) and under pytest-benchmark.
 SUITES = ("pack_bits", "matmul", "scan", "attention", "memory", "lowrank_residual", "embedding",
           "cross_entropy", "layer_norm", "rotary", "rms_norm",
-          "adamw", "io", "bitnet", "train")
+          "adamw", "io", "bitnet", "generate", "train")
 
 
 DESCRIPTION = (
