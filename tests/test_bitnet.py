@@ -277,3 +277,26 @@ def test_bad_inputs(rng):
         dataclasses.replace(TINY, head_dim=15)
     with pytest.raises(ValueError, match="hidden_act"):
         dataclasses.replace(TINY, hidden_act="relu3")
+
+
+def test_prepared_weights_follow_the_params(rng):
+    """The forward keeps each fused group's prepared rows and scales between calls: a weight
+    replaced in the dict, a scale or codes edited in place, all show in the next call."""
+    params = _model(seed=13)
+    ids = rng.integers(0, TINY.vocab_size, 6)
+    bitnet.forward(TINY, params, ids)  # the groups prepared
+    q, up = "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj"
+    params[q].scale[...] = params[q].scale * 3  # a 0-d scale of a fused group, in place
+    params[up].data[:5] = params[up].data[5:10]  # codes of a fused group, in place
+    k = "model.layers.1.self_attn.k_proj"  # a new object in the dict: its own rows
+    params[k] = dataclasses.replace(params[k], data=params[k].data[::-1].copy())
+    ref = bitnet_ref(TINY, ref_weights(params), ids)
+    assert_close("edited logits", ref, bitnet.forward(TINY, params, ids)[0], RTOL)
+
+
+def test_malformed_packed_weight_is_refused(never_runs):
+    params = _model(seed=14)
+    name = "model.layers.1.mlp.down_proj"
+    params[name] = dataclasses.replace(params[name], data=params[name].data[:-1])
+    with pytest.raises(ValueError, match=r"params\['model.layers.1.mlp.down_proj'\].data"):
+        bitnet.forward(TINY, params, [1, 2])

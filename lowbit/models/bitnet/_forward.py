@@ -6,22 +6,29 @@ contributes ``n_b >= 0`` new tokens at positions ``cache.lengths[b] ..``. The pr
 step of one row per sequence); each layer writes its new keys and values into the cache, then
 ``lowbit.segmented_attention`` attends each sequence's new queries to its cached keys
 (``k_lengths``, causal aligned bottom-right), without recomputing them.
+
+The ops are lowbit's own (``rms_norm``, ``packed_matmul``'s int8 activations on ternary codes,
+``rotary``, ``segmented_attention``), but a decode step makes about ten of them a layer on
+vectors of a few thousand floats, where the public functions' checks cost more than the kernels:
+so each backend's module is resolved once a forward (``_Ops``) and called through the backend
+contract of ``lowbit.ops`` on what the model has already validated (``check_params`` and the
+ids), the same kernels on the same arrays. The fused projection groups, their per-output
+scales and the rotary tables are also worked out once a forward, not once a layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Any
 
 import numpy as np
 
-from ... import _backend
+from ... import _backend, _dispatch
 from ..._typing import Array
-from ...ops.packed_matmul import packed_matmul
-from ...ops.rms_norm import rms_norm
-from ...ops.rotary import rotary
-from ...ops.segmented_attention import segmented_attention
+from ...ops.quantize import ACT_FORMATS, checked_packed
+from ...ops.rotary import _tables as _rotary_tables
 from ._config import BitNetConfig
 from ._head import embed, head_logits
 from ._params import fused_view
@@ -150,28 +157,132 @@ def _attention_plan(cache: KVCache, counts: np.ndarray, starts: np.ndarray):
     return writes, slice(None), lengths, k_lengths
 
 
-def _attend(cache, layer, q, k, v, plan):
+@dataclasses.dataclass(frozen=True)
+class _Ops:
+    """The backend modules of the forward's ops, resolved once for the cache's arrays."""
+
+    norm: Any
+    quantize: Any
+    matmul: Any
+    rotary: Any
+    attention: Any
+
+    @classmethod
+    def of(cls, like: Array) -> "_Ops":
+        def module(op):
+            return _dispatch.resolve(op, like)[1]
+        return cls(module("rms_norm"), module("quantize"), module("packed_matmul"),
+                   module("rotary"), module("segmented_attention"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Projection:
+    """One ``packed_matmul`` of ternary rows ``data`` [N, bytes] (the weights of one projection,
+    or of a fused group), ``scale`` its float32 output scale (0-d, or [N] for a group: each
+    weight's own scale over its columns, the product the separate calls form), ``widths`` the
+    group's outputs."""
+
+    data: Array
+    scale: Array
+    K: int
+    widths: tuple
+
+
+#: The host ``_Projection`` of each group of weights seen: ids of the weights -> (weak references
+#: to them, their scales, the projection). An entry goes when the group's first weight does.
+_PROJECTIONS: dict[tuple, tuple] = {}
+
+
+def _projection(params: dict[str, Any], names: list) -> _Projection:
+    """The ``_Projection`` of the ternary weights ``names`` of ``params``, made once for host
+    weights while they are the same (frozen) objects with the same scales: the fused rows (views
+    of the weights' own buffer) and the scale vector still hold. Weights not laid out by
+    ``fuse_projections`` are copied side by side every forward (and not kept: a copy would not
+    see an in-place edit, and would double their memory)."""
+    pws = [params[n] for n in names]
+    if not isinstance(pws[0].data, np.ndarray):
+        return _make_projection(pws, names)[0]
+    key = tuple(map(id, pws))
+    scales = tuple(pw.scale.tobytes() for pw in pws)
+    hit = _PROJECTIONS.get(key)
+    if hit is not None and hit[1] == scales and all(r() is pw for r, pw in zip(hit[0], pws)):
+        return hit[2]
+    proj, copied = _make_projection(pws, names)
+    if not copied:
+        _PROJECTIONS[key] = (tuple(weakref.ref(pw) for pw in pws), scales, proj)
+        weakref.finalize(pws[0], _PROJECTIONS.pop, key, None)
+    return proj
+
+
+def _make_projection(pws: list, names: list) -> tuple[_Projection, bool]:
+    """``(projection, whether its rows are a copy)``, the weights' fields checked first."""
+    checked = [checked_packed(pw, f"params[{n!r}]") for pw, n in zip(pws, names)]
+    copied = any(c is not pw for c, pw in zip(checked, pws))  # made contiguous
+    pws = checked
+    fused = fused_view(pws) if len(pws) > 1 else pws[0]
+    copied = copied or fused is None
+    if fused is None:  # not laid out by fuse_projections: the weights' rows side by side
+        xp = _backend.array_module(pws[0].data)
+        fused = dataclasses.replace(pws[0], data=xp.concatenate([pw.data for pw in pws]))
+    if len(pws) == 1:
+        scale = pws[0].scale
+    else:
+        xp = _backend.array_module(fused.data)
+        scale = xp.concatenate([xp.broadcast_to(xp.asarray(pw.scale, xp.float32).reshape(-1),
+                                                (pw.shape[1],)) for pw in pws])
+    return (_Projection(fused.data, scale, pws[0].shape[0], tuple(pw.shape[1] for pw in pws)),
+            copied)
+
+
+def _layers(config: BitNetConfig, params: dict[str, Any]) -> list:
+    """Per layer: its norms' weights and its four projections (q/k/v and gate/up fused)."""
+    out = []
+    for n in range(config.num_hidden_layers):
+        p = f"model.layers.{n}."
+        a, m = p + "self_attn.", p + "mlp."
+        out.append((params[p + "input_layernorm"],
+                    _projection(params, [a + "q_proj", a + "k_proj", a + "v_proj"]),
+                    params[a + "attn_sub_norm"], _projection(params, [a + "o_proj"]),
+                    params[p + "post_attention_layernorm"],
+                    _projection(params, [m + "gate_proj", m + "up_proj"]),
+                    params[m + "ffn_sub_norm"], _projection(params, [m + "down_proj"])))
+    return out
+
+
+# The four ops of a layer, on validated float32 rows (each a module-level function, so that the
+# bench can time them one by one).
+def rms_norm(ops: _Ops, x: Array, weight: Array, eps: float) -> Array:
+    return ops.norm.forward(x, weight, eps)[0]
+
+
+def packed_matmul(ops: _Ops, x: Array, proj: _Projection) -> Array:
+    """``lowbit.packed_matmul(x, pw)`` with int8 activations: [M, sum(widths)] float32."""
+    codes, scale = ops.quantize.row_codes(x, ACT_FORMATS["int8"])
+    return ops.matmul.matmul_int(codes, scale, proj.data, proj.scale, "ternary", proj.K)
+
+
+def rotary(ops: _Ops, x: Array, tables: tuple) -> Array:
+    return ops.rotary.forward(x, tables[0], tables[1], False)
+
+
+def segmented_attention(ops: _Ops, q: Array, k: Array, v: Array, offsets, scale: float) -> Array:
+    return ops.attention.forward(q, k, v, offsets[0], offsets[1], scale, True)[0]
+
+
+def _attend(ops, cache, layer, q, k, v, plan, scale):
     """Write the new keys/values into ``cache`` and attend; q [N, H, d] -> [N, H, d]."""
-    writes, keys, lengths, k_lengths = plan
+    writes, keys, offsets = plan
     kc, vc = cache.k[layer], cache.v[layer]
     for off, row, n in writes:
         kc[row:row + n] = k[off:off + n]
         vc[row:row + n] = v[off:off + n]
-    return segmented_attention(q, kc[keys], vc[keys], lengths, k_lengths=k_lengths, causal=True)
+    return segmented_attention(ops, q, kc[keys], vc[keys], offsets, scale)
 
 
-def _project(h: Array, pws: list) -> list:
-    """``h`` through several projections of the same input: one ``packed_matmul`` when their
-    weights share a buffer (``fuse_projections``), each output then scaled by its own weight's
-    scale (the product the separate calls would form: ``(acc * scale_x) * scale_w``)."""
-    fused = fused_view(pws)
-    if fused is None:
-        return [packed_matmul(h, pw) for pw in pws]
-    y = packed_matmul(h, fused)
+def _split(y: Array, widths: tuple) -> list:
     outs, col = [], 0
-    for pw in pws:
-        n = pw.shape[1]
-        outs.append(y[:, col:col + n] * pw.scale)
+    for n in widths:
+        outs.append(y[:, col:col + n])
         col += n
     return outs
 
@@ -188,30 +299,36 @@ def run(config: BitNetConfig, params: dict[str, Any], tokens: Array, counts: np.
     _reserve(config, cache, int((starts + counts).max()))
     positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts)])
     xp = _backend.array_module(cache.k[0])
+    ops = _Ops.of(cache.k[0])
+    layers = _layers(config, params)  # every weight checked before any kernel runs
     eps, H, Hkv, d = (config.rms_norm_eps, config.num_attention_heads,
                       config.num_key_value_heads, config.head_dim)
     x = embed(tokens, params["model.embed_tokens"])
     N = x.shape[0]
-    pos = xp.asarray(positions)
-    plan = _attention_plan(cache, counts, starts)
-    for n in range(config.num_hidden_layers):
-        p = f"model.layers.{n}."
-        h = rms_norm(x, params[p + "input_layernorm"], eps=eps)
-        q, k, v = _project(h, [params[p + "self_attn.q_proj"], params[p + "self_attn.k_proj"],
-                               params[p + "self_attn.v_proj"]])
+    tables = _rotary_tables(positions if xp is np else xp.asarray(positions), d,
+                           config.rope_theta, np.float32)
+    writes, keys, lengths, k_lengths = _attention_plan(cache, counts, starts)
+    offsets = (np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+               np.concatenate([[0], np.cumsum(k_lengths)]).astype(np.int64))
+    plan = writes, keys, offsets
+    scale = d ** -0.5
+    for n, (norm_in, qkv, norm_attn, o, norm_post, gate_up, norm_ffn, down) in enumerate(layers):
+        h = rms_norm(ops, x, norm_in, eps)
+        y = packed_matmul(ops, h, qkv)
         # q and k share their positions: one rotation of both heads' rows
-        qk = rotary(xp.concatenate([q, k], axis=1).reshape(N, H + Hkv, d), pos,
-                    theta=config.rope_theta, style="half")
-        a = _attend(cache, n, qk[:, :H], qk[:, H:], v.reshape(N, Hkv, d), plan).reshape(N, H * d)
-        a = rms_norm(a, params[p + "self_attn.attn_sub_norm"], eps=eps)
-        x = x + packed_matmul(a, params[p + "self_attn.o_proj"])
-        h = rms_norm(x, params[p + "post_attention_layernorm"], eps=eps)
-        g, u = _project(h, [params[p + "mlp.gate_proj"], params[p + "mlp.up_proj"]])
-        m = rms_norm(_activation(config.hidden_act, g, xp) * u, params[p + "mlp.ffn_sub_norm"],
-                     eps=eps)
-        x = x + packed_matmul(m, params[p + "mlp.down_proj"])
+        qk = rotary(ops, xp.ascontiguousarray(y[:, :(H + Hkv) * d]).reshape(N, H + Hkv, d),
+                    tables)
+        a = _attend(ops, cache, n, xp.ascontiguousarray(qk[:, :H]), qk[:, H:],
+                    y[:, (H + Hkv) * d:].reshape(N, Hkv, d), plan, scale)
+        a = rms_norm(ops, a.reshape(N, H * d), norm_attn, eps)
+        x = x + packed_matmul(ops, a, o)
+        h = rms_norm(ops, x, norm_post, eps)
+        g, u = _split(packed_matmul(ops, h, gate_up), gate_up.widths)
+        m = rms_norm(ops, xp.ascontiguousarray(_activation(config.hidden_act, g, xp) * u),
+                     norm_ffn, eps)
+        x = x + packed_matmul(ops, m, down)
     cache.lengths += counts
     if last_only:
         x = x[xp.asarray(np.maximum(np.cumsum(counts) - 1, 0))]
-    x = rms_norm(x, params["model.norm"], eps=eps)
+    x = rms_norm(ops, xp.ascontiguousarray(x), params["model.norm"], eps)
     return head_logits(x, params.get("lm_head", params["model.embed_tokens"]))

@@ -15,6 +15,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Union
 
 import numpy as np
@@ -91,9 +94,11 @@ _LAYER_NORM = {"input_layernorm": "hidden_size", "post_attention_layernorm": "hi
                "self_attn.attn_sub_norm": "hidden_size", "mlp.ffn_sub_norm": "intermediate_size"}
 
 
-def expected_shapes(config: BitNetConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+@functools.lru_cache(maxsize=16)
+def expected_shapes(config: BitNetConfig) -> Mapping[str, tuple[str, tuple[int, ...]]]:
     """name -> (kind, shape) of every parameter the config implies: kind "dense" ([vocab,
-    hidden]), "ternary" ((in, out) PackedWeight) or "norm" ([width] float32)."""
+    hidden]), "ternary" ((in, out) PackedWeight) or "norm" ([width] float32). Read-only, and
+    made once per config (every forward checks its params against it)."""
     out: dict[str, tuple[str, tuple[int, ...]]] = {
         "model.embed_tokens": ("dense", (config.vocab_size, config.hidden_size)),
         "model.norm": ("norm", (config.hidden_size,))}
@@ -104,7 +109,7 @@ def expected_shapes(config: BitNetConfig) -> dict[str, tuple[str, tuple[int, ...
             out[f"model.layers.{n}.{name}"] = ("ternary", (getattr(config, k), getattr(config, m)))
         for name, w in _LAYER_NORM.items():
             out[f"model.layers.{n}.{name}"] = ("norm", (getattr(config, w),))
-    return out
+    return MappingProxyType(out)
 
 
 def check_params(config: BitNetConfig, params: dict[str, Param], source: str = "params") -> None:
