@@ -250,3 +250,93 @@ def test_config_defaults_are_the_references():
     # A checkpoint's config entry names every field: it rebuilds the config it was written for.
     small = bdh.BDHConfig(**TINY)
     assert train.config_from_dict(train._config_dict(small)) == small
+
+
+# -- whole-split evaluation, memory-mapped data, stopping and periodic checkpoints --------------
+
+@pytest.mark.parametrize("plan", [lowbit.LowBitPlan(), lowbit.LowBitPlan.uniform("ternary",
+                                                                                 "int8")])
+def test_whole_split_evaluation_equals_a_float64_loop(corpus, plan):
+    from lowbit.reference.bdh import bdh_ref
+
+    config = bdh.BDHConfig(**dict(TINY, dropout=0.0), plan=plan)
+    # Scaled up from the initial std so the per-block losses differ (not all ~ln 256).
+    params = {k: v * 25 for k, v in bdh.init_params(config, seed=1).items()}
+    data = np.frombuffer(corpus[:200], dtype=np.uint8)  # 199 // 16 = 12 blocks, 7 bytes left
+    block = 16
+    got = train.evaluate_split(config, params, data, block, batch=5)  # batches of 5, 5, 2
+    losses = []
+    for i in range(len(data) // block):
+        if (i + 1) * block + 1 > len(data):
+            break
+        ids = data[i * block:(i + 1) * block].astype(np.int64)[None]
+        targets = data[i * block + 1:(i + 1) * block + 1].astype(np.int64)[None]
+        losses.append(bdh_ref(params, ids, targets, level_seeds=[0] * config.n_layer, plan=plan))
+    want = float(np.mean(losses))
+    assert got["blocks"] == len(losses) == 12 and got["bytes"] == 12 * block
+    assert got["nats"] == pytest.approx(want, rel=1e-5)
+    assert got["bits_per_byte"] == pytest.approx(want / np.log(2), rel=1e-5)
+    assert np.std(losses) > 1e-2  # the blocks differ: other windows would not match
+    shifted = train.evaluate_split(config, params, data[3:], block, batch=5)["nats"]
+    assert abs(shifted - want) > 1e-3 * want
+    # The batch size does not change the figure (to float32 rounding).
+    assert train.evaluate_split(config, params, data, block, batch=12)["nats"] == \
+        pytest.approx(want, rel=1e-5)
+
+
+def test_whole_split_evaluation_bad_inputs(corpus):
+    config = bdh.BDHConfig(**TINY)
+    params = bdh.init_params(config, seed=1)
+    with pytest.raises(ValueError, match="block"):
+        train.evaluate_split(config, params, b"x" * 16, 16)
+    with pytest.raises(TypeError, match="data"):
+        train.evaluate_split(config, params, np.zeros(40, np.int64), 16)
+    with pytest.raises(ValueError, match="batch"):
+        train.evaluate_split(config, params, corpus, 16, batch=0)
+
+
+def test_batches_read_a_memmap_without_copying_it(corpus, tmp_path):
+    path = tmp_path / "data.bin"
+    path.write_bytes(corpus)
+    mm = train.open_data(path)
+    assert isinstance(mm, np.memmap) and len(mm) == len(corpus)
+    batches = train.Batches(mm, block=16, batch=4, seed=0)
+    for part in batches.splits.values():
+        assert np.shares_memory(part, mm)
+    ids, _ = batches.sample()
+    # The same rows as from the bytes in memory.
+    np.testing.assert_array_equal(ids, train.Batches(corpus, 16, 4, seed=0).sample()[0])
+
+
+def test_stop_and_periodic_checkpoints_resume_bitwise(corpus, tmp_path, monkeypatch):
+    # Uninterrupted: 9 steps. Interrupted: stop after step 4 (a checkpoint every 3 steps was
+    # written at step 3, then the stop's at 4), resume from the file to 9.
+    config, whole, _, _ = _run(corpus, 9)
+    config = bdh.BDHConfig(**TINY)
+    params = bdh.init_params(config, seed=1)
+    batches = train.Batches(corpus, block=16, batch=4, seed=0)
+    schedule = train.Schedule("fp32", lr=3e-3, warmup=2, steps=9)
+    path = str(tmp_path / "ckpt.safetensors")
+    saved = []
+    real_save = train.save_checkpoint
+    monkeypatch.setattr(train, "save_checkpoint",
+                        lambda *a, **k: (saved.append(a[4]), real_save(*a, **k)))
+    done, asked = [], []
+    history = train.train(config, params, batches, schedule, progress=False, checkpoint=path,
+                          save_every=3, extra=lambda step: {"at": step},
+                          callback=lambda step, record: done.append(step),
+                          stop=lambda: (asked.append(1), len(asked) == 4)[1])
+    assert history["stopped"] and history["step"] == 4 and saved == [3, 4]
+    assert done == [1, 2, 3, 4]
+    assert [s for s, _ in history["val"]] == []  # no final evaluation after a stop
+    ckpt = train.load_checkpoint(path, config)
+    assert ckpt["step"] == 4 and ckpt["extra"] == {"at": 4}
+    batches = train.Batches(corpus, block=16, batch=4, seed=0)
+    batches.set_state(ckpt["batches"])
+    opt = lowbit.AdamW()
+    opt.load_state_dict(ckpt["optimizer"])
+    rest = train.train(config, ckpt["params"], batches, schedule, start_step=4, optimizer=opt,
+                       progress=False)
+    assert not rest["stopped"] and rest["step"] == 9
+    for name in bdh.PARAMS:
+        assert_equal(name, whole[name], ckpt["params"][name])

@@ -1,7 +1,12 @@
 """Training beside the model: byte batches, learning-rate schedules, checkpoints, the loop.
 
-Siblings: ``bdh.py`` (the model); tests ``tests/test_train.py``; the main job ``bench/train.py``
-trains fp32 against low-bit configurations with this loop.
+Siblings: ``bdh/`` (the model); ``_checkpoint.py`` (checkpoint files) and ``_rundir.py`` (run
+directories, ``resume``), whose names are re-exported here; ``bdh/_cli.py`` (``python -m
+lowbit.models.bdh train|sample|eval``); tests ``tests/test_train.py``, ``tests/test_bdh_cli.py``;
+the main job ``bench/train.py`` trains fp32 against low-bit configurations with this loop.
+
+Evaluation: ``evaluate`` estimates the validation loss from random windows (nanoGPT's
+``eval_iters``); ``evaluate_split`` computes it over every block of a split.
 
 Reproducibility: batches come from a seeded ``numpy.random.Generator`` whose state is part of the
 checkpoint, and the dropout masks of step ``s`` are keyed by ``(seed, s)``; so training N steps,
@@ -23,7 +28,6 @@ per optimizer step and averages their gradients: the k draws are the rows one ba
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from typing import Any, Callable
@@ -33,18 +37,16 @@ import numpy as np
 from .. import _backend, _validate
 from .._typing import Array
 from ..distributed import Communicator
-from ..io import safetensors as checkpoint_file
 from ..io._files import StrPath
 from ..ops.adamw import AdamW
 from ..ops.adamw import _max_grad_norm as _check_max_grad_norm
-from ..ops.lowrank_residual import BlockPattern, LowBitPlan
-from ..ops.saved_activation import SavedConfig
 from . import bdh
+# Checkpoint files live in _checkpoint.py; these names stay importable from here.
+from ._checkpoint import (CHECKPOINT_VERSION, _META_KEY, _config_dict,  # noqa: F401
+                          config_from_dict, load_checkpoint, save_checkpoint)
 
 #: Fraction of the corpus used for training; the rest is the validation split.
 TRAIN_FRACTION = 0.9
-#: Format version of the checkpoint files this module writes.
-CHECKPOINT_VERSION = 2  # 2: a lowbit.io safetensors file (1 was .npz)
 SCHEDULES = ("fp32", "bitnet")
 
 
@@ -76,7 +78,8 @@ class Batches:
     """Random ``[batch, block]`` windows of a byte corpus, with a 90/10 train/validation split.
 
     Args:
-        data: the corpus (bytes or a uint8 array).
+        data: the corpus (bytes or a uint8 array). A uint8 ``np.memmap`` is not copied: the
+            splits are views of it, and each batch reads only its windows.
         block: tokens per sequence; batch: sequences per batch (per rank); seed: the generator's
             seed.
         rank: the data-parallel rank whose stream this is (``rank_stream``); 0 for one process.
@@ -170,90 +173,6 @@ class Schedule:
         return peak * (0.4 - 0.36 * (frac - 0.5) / 0.5), 0.0
 
 
-# -- checkpoints --------------------------------------------------------------------------------
-
-def _config_dict(config: bdh.BDHConfig) -> dict[str, Any]:
-    out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    out["plan"] = dataclasses.asdict(config.plan)
-    saved = config.saved
-    out["saved"] = dataclasses.asdict(saved) if isinstance(saved, SavedConfig) else saved
-    pattern = config.latent_pattern
-    out["latent_pattern"] = None if pattern is None else {
-        "block_size": pattern.block_size,
-        "active": None if pattern.active is None else pattern.active.tolist()}
-    return out
-
-
-def config_from_dict(d: dict[str, Any]) -> bdh.BDHConfig:
-    """The ``BDHConfig`` of a checkpoint's config entry (the inverse of the dict a checkpoint
-    stores: plan, saved policy and latent pattern rebuilt from their JSON forms)."""
-    d = dict(d)
-    d["plan"] = LowBitPlan(**{k: tuple(v) for k, v in d["plan"].items()})
-    if isinstance(d["saved"], dict):
-        d["saved"] = SavedConfig(**d["saved"])
-    pattern = d.get("latent_pattern")
-    if pattern is not None:
-        active = pattern["active"]
-        d["latent_pattern"] = BlockPattern(pattern["block_size"],
-                                           None if active is None else np.asarray(active, bool))
-    return bdh.BDHConfig(**d)
-
-
-#: The metadata entry of a checkpoint file that holds everything but the arrays (JSON).
-_META_KEY = "checkpoint"
-
-
-def save_checkpoint(path: StrPath, config: bdh.BDHConfig, params: dict[str, Array],
-                    optimizer: AdamW, step: int, batches: Batches | _RankStreams,
-                    extra: dict[str, Any] | None = None) -> None:
-    """Write parameters, optimizer state, step, batch-generator state and config to ``path``
-    through ``lowbit.io.save`` (a safetensors file; the config, step, optimizer scalars and
-    generator state as JSON in its metadata), atomically: a crash mid-save leaves the previous
-    file intact."""
-    state = optimizer.state_dict()
-    arrays = {f"param/{k}": v for k, v in params.items()}
-    for slot in ("exp_avg", "exp_avg_sq"):
-        arrays.update({f"{slot}/{k}": v for k, v in state[slot].items()})
-    meta = {"version": CHECKPOINT_VERSION, "config": _config_dict(config), "step": int(step),
-            "optimizer": {k: v for k, v in state.items() if k not in ("exp_avg", "exp_avg_sq")},
-            "batches": batches.state(), "extra": extra or {}}
-    checkpoint_file.save(path, arrays, metadata={_META_KEY: json.dumps(meta)})
-
-
-def load_checkpoint(path: StrPath, config: bdh.BDHConfig | None = None,
-                    xp: Any = np) -> dict[str, Any]:
-    """Read a checkpoint of ``save_checkpoint``.
-
-    Returns:
-        dict with ``config``, ``params`` (arrays on ``xp``), ``optimizer`` (a state dict for
-        ``AdamW.load_state_dict``), ``step``, ``batches`` (generator state), ``extra``.
-
-    Raises:
-        ValueError: the file is truncated or not a lowbit checkpoint, or ``config`` is given and
-            differs from the checkpoint's.
-    """
-    try:
-        data, meta = checkpoint_file.load(path, xp=xp, with_metadata=True)
-        meta = json.loads(meta[_META_KEY])
-    except (KeyError, ValueError, OSError) as exc:
-        raise ValueError(f"checkpoint {path!r} is truncated or not a lowbit checkpoint: {exc}") \
-            from None
-    if meta.get("version") != CHECKPOINT_VERSION:
-        raise ValueError(f"checkpoint {path!r} has version {meta.get('version')}, expected "
-                         f"{CHECKPOINT_VERSION}")
-    stored = config_from_dict(meta["config"])
-    if config is not None and stored != config:
-        raise ValueError(f"checkpoint {path!r} was written for another config: {stored} "
-                         f"(asked for {config})")
-
-    def group(prefix: str) -> dict[str, Any]:
-        return {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith(prefix + "/")}
-
-    optimizer = dict(meta["optimizer"], exp_avg=group("exp_avg"), exp_avg_sq=group("exp_avg_sq"))
-    return {"config": stored, "params": group("param"), "optimizer": optimizer,
-            "step": meta["step"], "batches": meta["batches"], "extra": meta["extra"]}
-
-
 # -- the loop -----------------------------------------------------------------------------------
 
 def evaluate(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches, n_batches: int,
@@ -271,6 +190,61 @@ def evaluate(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches, 
     if comm is not None:
         comm.allreduce_mean([mean])
     return float(mean[0])
+
+
+def _byte_array(data: object, name: str) -> np.ndarray:
+    """A 1-D uint8 view of ``data`` (bytes-like or a uint8 array, a memmap included; no copy)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return np.frombuffer(data, dtype=np.uint8)
+    if not isinstance(data, np.ndarray):
+        raise TypeError(f"{name} must be bytes or a uint8 numpy array (np.memmap included), got "
+                        f"{type(data).__name__}")
+    if data.dtype != np.uint8 or data.ndim != 1:
+        raise TypeError(f"{name} must be a 1-D uint8 array, got {data.dtype} of shape "
+                        f"{data.shape}")
+    return data
+
+
+def evaluate_split(config: bdh.BDHConfig, params: dict[str, Array],
+                   data: bytes | np.ndarray, block: int, *, batch: int = 8) -> dict[str, Any]:
+    """The loss over every non-overlapping block of ``data`` (a whole split), in batches.
+
+    Window ``i`` is bytes ``[i * block, (i + 1) * block]`` of ``data`` (``block + 1`` bytes): its
+    first ``block`` are the ids, its last ``block`` the targets, so every byte from the second to
+    the ``blocks * block``-th is predicted once, from the bytes of its own block before it; the
+    ``(len(data) - 1) % block`` trailing bytes that fill no block are left out. ``evaluate``
+    is the cheaper estimate from random windows (nanoGPT's ``eval_iters``).
+
+    Args:
+        config, params: the model (inference: no dropout).
+        data: the bytes (bytes or a 1-D uint8 array; a ``np.memmap`` is read one batch at a time).
+        block: bytes per window read by the model (>= 1).
+        batch: windows per forward (>= 1); the last batch may be smaller.
+
+    Returns:
+        dict: ``nats`` (mean loss per predicted byte), ``bits_per_byte`` (``nats / ln 2``),
+        ``blocks`` (windows evaluated), ``bytes`` (bytes predicted, ``blocks * block``).
+
+    Raises:
+        TypeError, ValueError: a bad ``data``, ``block`` or ``batch``; ``data`` shorter than one
+            window (``block + 1`` bytes).
+    """
+    arr = _byte_array(data, "data")
+    block = _validate.integer(block, "block", minimum=1)
+    batch = _validate.integer(batch, "batch", minimum=1)
+    blocks = (len(arr) - 1) // block
+    if blocks < 1:
+        raise ValueError(f"data has {len(arr)} bytes, fewer than one block + 1 ({block + 1})")
+    xp = _backend.array_module(params["embed"])
+    total = 0.0
+    for first in range(0, blocks, batch):
+        n = min(batch, blocks - first)
+        seg = np.asarray(arr[first * block:(first + n) * block + 1], dtype=np.int64)
+        ids, targets = seg[:-1].reshape(n, block), seg[1:].reshape(n, block)
+        total += bdh.loss(config, params, xp.asarray(ids), xp.asarray(targets)) * n * block
+    nats = total / (blocks * block)
+    return {"nats": nats, "bits_per_byte": nats / math.log(2), "blocks": blocks,
+            "bytes": blocks * block}
 
 
 def _gradients(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches,
@@ -317,10 +291,12 @@ def _gradients(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches
 
 def train(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches, schedule: Schedule,
           *, steps: int | None = None, start_step: int = 0, optimizer: AdamW | None = None,
-          seed: int = 0, eval_every: int = 0, eval_batches: int = 4,
+          seed: int = 0, eval_every: int = 0, eval_batches: int | None = 4,
           max_grad_norm: float | None = 1.0, accumulate: int = 1,
           callback: Callable[[int, dict[str, float]], object] | None = None,
-          progress: bool = True, checkpoint: StrPath | None = None,
+          progress: bool = True, leave: bool = False, checkpoint: StrPath | None = None,
+          save_every: int = 0, extra: dict[str, Any] | Callable[[int], dict[str, Any]] | None
+          = None, stop: Callable[[], bool] | None = None,
           comm: Communicator | None = None) -> dict[str, Any]:
     """Train ``params`` in place with AdamW from ``start_step`` up to ``steps`` (default
     ``schedule.steps``).
@@ -340,9 +316,20 @@ def train(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches, sch
             losses, as one batch ``accumulate`` times larger (to float32 rounding: the rows and
             dropout masks are that batch's). Pass the same value when resuming.
         eval_every: validation loss every this many steps and at the end (0: only at the end).
-        callback: called as ``callback(step, record)`` after every step.
-        progress: show a tqdm progress bar with step, loss and tokens/s.
-        checkpoint: a path: written (atomically) at the end.
+        eval_batches: the validation loss is the mean over this many random batches
+            (``evaluate``), or, with None, over every block of the validation split
+            (``evaluate_split``, batches of ``batches.batch`` windows; every rank computes it).
+        callback: called as ``callback(step, record)`` after every step (``record``: ``loss``,
+            ``lr``, ``tokens_per_s``, and ``val`` at an evaluation).
+        progress: show a tqdm progress bar with step, loss and tokens/s; leave: keep it on
+            screen when done.
+        checkpoint: a path: written (atomically) at the end, every ``save_every`` steps (0:
+            only at the end) and when ``stop`` ends the run.
+        extra: the checkpoint's ``extra`` entry (JSON-able), or a function of the step that
+            returns it.
+        stop: called after every step; when it returns True, training ends at that step
+            boundary (no final evaluation), the checkpoint is written and ``history["stopped"]``
+            is True (with a communicator every rank stops when one asks to).
         comm: a ``lowbit.distributed`` communicator (default: this process alone). Every rank
             calls ``train`` with the same arguments but ``batches = Batches(..., rank=comm.rank)``
             (checked at the start: configs, parameter shapes and arguments must agree). Rank 0's
@@ -356,10 +343,11 @@ def train(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches, sch
         dict: ``train`` [(step, loss)] (the loss averaged over the step's micro-batches),
         ``val`` [(step, loss)], ``tokens`` (trained on by this rank, every micro-batch counted),
         ``tokens_per_s`` (this rank's), ``comm_s`` (seconds spent averaging gradients),
-        ``optimizer``.
+        ``optimizer``, ``step`` (the step reached) and ``stopped`` (whether ``stop`` ended it).
 
     Raises:
-        TypeError, ValueError: a bad ``steps``, ``accumulate`` or ``max_grad_norm``; an
+        TypeError, ValueError: a bad ``steps``, ``accumulate``, ``save_every`` or
+            ``max_grad_norm``; an
             ``optimizer`` whose ``max_grad_norm`` differs from the ``max_grad_norm`` argument
             (both named); ``batches.rank`` other than the communicator's rank.
     """
@@ -367,6 +355,9 @@ def train(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches, sch
     with comm.guard():
         steps = schedule.steps if steps is None else _validate.integer(steps, "steps", minimum=0)
         accumulate = _validate.integer(accumulate, "accumulate", minimum=1)
+        save_every = _validate.integer(save_every, "save_every", minimum=0)
+        if eval_batches is not None:
+            eval_batches = _validate.integer(eval_batches, "eval_batches", minimum=1)
         max_grad_norm = _check_max_grad_norm(max_grad_norm)
         if optimizer is not None and optimizer.max_grad_norm != max_grad_norm:
             raise ValueError(
@@ -385,7 +376,8 @@ def train(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches, sch
             comm.check_same((config, [(n, tuple(params[n].shape), str(params[n].dtype))
                                       for n in names], schedule, batches.block, batches.batch,
                              steps, start_step, opt_state, seed, eval_every, eval_batches,
-                             max_grad_norm, accumulate, checkpoint is None),
+                             max_grad_norm, accumulate, checkpoint is None, save_every,
+                             stop is None),
                             "the configs, parameter shapes and training arguments")
         comm.broadcast([params[n] for n in names])
         if optimizer is None:
@@ -396,9 +388,22 @@ def train(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches, sch
         if progress and comm.rank == 0:
             from tqdm import tqdm
 
-            bar = tqdm(total=steps - start_step, desc="train", unit="step", leave=False)
+            bar = tqdm(total=steps - start_step, desc="train", unit="step", leave=leave)
+
+        def save(reached: int) -> None:
+            if checkpoint is None:
+                return
+            streams = comm.allgather_object(batches.state())
+            if comm.rank == 0:
+                entry = extra(reached) if callable(extra) else extra
+                save_checkpoint(checkpoint, config, params, optimizer, reached,
+                                batches if comm.size == 1 else _RankStreams(streams), entry)
+            # No rank returns before the file is there (a rank may load it next).
+            comm.allgather_object(None)
+
         tokens = 0
         busy = communicating = 0.0
+        reached, stopped = start_step, False
         for step in range(start_step, steps):
             optimizer.lr, optimizer.weight_decay = schedule(step)
             grads, loss, busy_micro = _gradients(
@@ -414,24 +419,36 @@ def train(config: bdh.BDHConfig, params: dict[str, Array], batches: Batches, sch
             record = {"loss": value, "lr": optimizer.lr, "tokens_per_s": tokens / busy}
             history["train"].append((step + 1, value))
             last = step + 1 == steps
-            if (eval_every and (step + 1) % eval_every == 0) or last:
-                record["val"] = evaluate(config, params, batches, eval_batches, comm=comm)
-                history["val"].append((step + 1, record["val"]))
+            reached = step + 1
+            if stop is not None and not last:  # a stop asked at the end changes nothing
+                stopped = bool(stop())
+                if comm.size > 1:
+                    stopped = any(comm.allgather_object(stopped))
+            if (eval_every and reached % eval_every == 0) or (last and not stopped):
+                record["val"] = (evaluate(config, params, batches, eval_batches, comm=comm)
+                                 if eval_batches is not None else evaluate_split(
+                                     config, params, batches.splits["val"], batches.block,
+                                     batch=batches.batch)["nats"])
+                history["val"].append((reached, record["val"]))
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
             if callback is not None:
-                callback(step + 1, record)
+                callback(reached, record)
+            if stopped:
+                break
+            if save_every and reached % save_every == 0 and not last:
+                save(reached)
         if bar is not None:
             bar.close()
         history["tokens"] = tokens
         history["tokens_per_s"] = tokens / busy if busy else 0.0
         history["comm_s"] = communicating
-        if checkpoint is not None:
-            streams = comm.allgather_object(batches.state())
-            if comm.rank == 0:
-                save_checkpoint(checkpoint, config, params, optimizer, steps,
-                                batches if comm.size == 1 else _RankStreams(streams))
-            # No rank returns before the file is there (a rank may load it next).
-            comm.allgather_object(None)
+        history["step"], history["stopped"] = reached, stopped
+        save(reached)
         return history
+
+
+# Run directories (run.json, the newest checkpoint, log.jsonl) live in _rundir.py.
+from ._rundir import (CHECKPOINT_FILE, LOG_FIELDS, LOG_FILE, RUN_FILE, Run,  # noqa: E402,F401
+                      new_run, open_data, read_run, resume)
