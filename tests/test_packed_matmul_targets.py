@@ -1,16 +1,17 @@
 """The numba packed matmul's integer kernels on CPU targets other than the host's.
 
-Kernels: ``lowbit/ops/packed_matmul/_numba/_avx2.py`` (AVX2 and AVX-VNNI, 256-bit), the portable
-``_gemv.py`` / ``_gemm_f64.py``; selection in ``_numba/__init__.py``; reference
-``reference/packed_matmul.py``. Numba compiles for the CPU named by ``NUMBA_CPU_NAME`` with the
-LLVM features of ``NUMBA_CPU_FEATURES``, and the kernel modules choose their variants from that
-list, so a subprocess with those set (and its own ``NUMBA_CACHE_DIR``) builds and runs the AVX2
-kernels on any x86-64 CPU that can execute them, whatever the host would pick. Each run checks
-every weight format bit for bit against the reference on shapes around the kernels' blocks
-(K not a multiple of a block, odd N, 1 to 100 rows: GEMV and GEMM), plus codes at the edges of
-the int16 bounds (activation code -128, every stored field at its largest), and asserts which
-kernel ran. AVX-VNNI code is compiled for Alder Lake and its assembly checked for the VEX-encoded
-``vpdpbusd``; it runs only where the host CPU has AVX-VNNI.
+Kernels: ``lowbit/ops/packed_matmul/_numba/_avx2.py`` and ``_avx2_gemm.py`` (AVX2 and AVX-VNNI,
+256-bit: GEMV, GEMM and the dx of int8 gradients), the portable ``_gemv.py`` / ``_gemm_f64.py``;
+selection in ``_numba/__init__.py``; reference ``reference/packed_matmul.py``. Numba compiles
+for the CPU named by ``NUMBA_CPU_NAME`` with the LLVM features of ``NUMBA_CPU_FEATURES``, and
+the kernel modules choose their variants from that list, so a subprocess with those set (and its
+own ``NUMBA_CACHE_DIR``) builds and runs the AVX2 kernels on any x86-64 CPU that can execute
+them, whatever the host would pick. Each run checks every weight format bit for bit against the
+reference on shapes around the kernels' blocks (K not a multiple of a block, odd N, 1 to 100
+rows: GEMV and GEMM), the dx of int8 gradients (``matmul_dx_int``) on the same shapes, plus
+codes at the edges of the int16 bounds (activation and gradient code -128, every stored field
+at its largest), and asserts which kernel ran. AVX-VNNI code is compiled for Alder Lake and its
+assembly checked for the VEX-encoded ``vpdpbusd``; it runs only where the host CPU has AVX-VNNI.
 """
 
 import os
@@ -56,7 +57,7 @@ def _run_checks(expect):
     """Every format and shape through ``_numba.matmul_int`` against the reference, asserting
     that the kernel family ``expect`` ("avx2", "avxvnni" or "portable") ran for every call."""
     from lowbit.ops.packed_matmul import _numba
-    from lowbit.ops.packed_matmul._numba import _avx2
+    from lowbit.ops.packed_matmul._numba import _avx2, _avx2_gemm
 
     if expect == "portable":
         _numba.USE_VNNI = _numba.USE_AVX2 = False
@@ -64,11 +65,11 @@ def _run_checks(expect):
         assert not _numba.USE_VNNI and _numba.USE_AVX2, "the AVX2 kernels are not selected"
         assert _avx2.AVX_VNNI == (expect == "avxvnni"), "wrong 256-bit variant"
     calls = []
-    for name in ("gemv", "gemm"):
-        def spy(*args, _f=getattr(_avx2, name), _name=name):
+    for module, name in ((_avx2, "gemv"), (_avx2_gemm, "gemm"), (_avx2_gemm, "gemm_dx")):
+        def spy(*args, _f=getattr(module, name), _name=name):
             calls.append(_name)
             return _f(*args)
-        setattr(_avx2, name, spy)
+        setattr(module, name, spy)
     rng = np.random.default_rng(5)
     for format in FORMATS:
         for M, K, N in SHAPES:
@@ -80,6 +81,13 @@ def _run_checks(expect):
             cx, sx = quantize_activation_ref(x, "int8")
             y = _numba.matmul_int(cx, sx, data, scale, format, K)
             np.testing.assert_array_equal(y, ref, err_msg=f"{format} {M}x{K}x{N}")
+            # dx of int8 gradients: [M, N] codes against the weight read across its rows
+            cg, sg = quantize_activation_ref(rng.standard_normal((M, N)) * 3, "int8")
+            s = np.float32(0.375)
+            dx = _numba.matmul_dx_int(cg, sg, data, s, format, K)
+            acc = cg.astype(np.int64) @ unpack_weight_ref(data, format, K).T
+            np.testing.assert_array_equal(dx, _scaled(acc, sg, s), err_msg=f"dx {format} "
+                                          f"{M}x{K}x{N}")
         # the int16 bounds: code -128 everywhere and every stored field at its largest
         # (ternary 3, sign 1, int8 -128), rows of both GEMV and GEMM; the portable GEMM's
         # float64 plan assumes the quantizers' ranges (codes -127 .. 127, ternary stored 2)
@@ -94,14 +102,21 @@ def _run_checks(expect):
                 data = data.view(np.int8)
             sx = np.full(M, 0.5, np.float32)
             scale = np.float32(0.25) if format != "int8" else np.full(N, 0.25, np.float32)
-            acc = cx.astype(np.int64) @ unpack_weight_ref(data, format, K)
+            codes_w = unpack_weight_ref(data, format, K)
+            acc = cx.astype(np.int64) @ codes_w
             y = _numba.matmul_int(cx, sx, data, scale, format, K)
             np.testing.assert_array_equal(y, _scaled(acc, sx, scale),
                                           err_msg=f"{format} extreme {M}x{K}x{N}")
+            cg = np.full((M, N), low, np.int8)
+            cg[0] = 127
+            dx = _numba.matmul_dx_int(cg, sx, data, np.float32(0.25), format, K)
+            np.testing.assert_array_equal(dx, _scaled(cg.astype(np.int64) @ codes_w.T, sx,
+                                                      np.float32(0.25)),
+                                          err_msg=f"dx {format} extreme {M}x{K}x{N}")
     if expect == "portable":
         assert not calls, calls
     else:
-        assert {"gemv", "gemm"} <= set(calls), calls
+        assert {"gemv", "gemm", "gemm_dx"} <= set(calls), calls
 
 
 def _subprocess(tmp_path, cpu, features, code):
@@ -128,17 +143,18 @@ def test_host_kernels_match_reference():
     """This host's own choice (AVX2 here, also where AVX-512 VNNI would be preferred) and the
     portable kernels, in this process."""
     from lowbit.ops.packed_matmul import _numba
-    from lowbit.ops.packed_matmul._numba import _avx2
+    from lowbit.ops.packed_matmul._numba import _avx2, _avx2_gemm
 
-    saved = _numba.USE_VNNI, _numba.USE_AVX2, _avx2.gemv, _avx2.gemm
+    saved = _numba.USE_VNNI, _numba.USE_AVX2, _avx2.gemv, _avx2_gemm.gemm, _avx2_gemm.gemm_dx
     try:
         if _avx2.AVAILABLE:
             _numba.USE_VNNI = False
             _run_checks("avxvnni" if _avx2.AVX_VNNI else "avx2")
-        _avx2.gemv, _avx2.gemm = saved[2:]
+        _avx2.gemv, _avx2_gemm.gemm, _avx2_gemm.gemm_dx = saved[2:]
         _run_checks("portable")
     finally:
-        _numba.USE_VNNI, _numba.USE_AVX2, _avx2.gemv, _avx2.gemm = saved
+        (_numba.USE_VNNI, _numba.USE_AVX2, _avx2.gemv, _avx2_gemm.gemm,
+         _avx2_gemm.gemm_dx) = saved
 
 
 @pytest.mark.skipif(not _host_has("avx2", "fma", "bmi2"),
@@ -154,15 +170,17 @@ _ASM = """
 import numpy as np
 from numba import types
 from lowbit.ops.packed_matmul import _numba
-from lowbit.ops.packed_matmul._numba import _avx2
+from lowbit.ops.packed_matmul._numba import _avx2, _avx2_gemm
 assert _numba.USE_AVX2 and _avx2.AVX_VNNI and not _numba.USE_VNNI
 A = lambda dt, nd: types.Array(dt, nd, "C")
 f32, i64 = types.float32, types.int64
 kernels = [
     (_avx2._gemv_kernel, (A(types.int8, 3), A(types.uint8, 2), i64, i64, i64, i64,
                           A(types.int32, 1), A(f32, 1), A(f32, 1), A(f32, 2))),
-    (_avx2._gemm_kernel, (A(types.int8, 2), A(types.int8, 2), i64, i64, A(types.int32, 1),
-                          A(f32, 1), A(f32, 1), A(f32, 2))),
+    (_avx2_gemm._gemm_kernel, (A(types.int8, 2), A(types.int8, 2), i64, i64,
+                               A(types.int32, 1), A(f32, 1), A(f32, 1), A(f32, 2))),
+    (_avx2_gemm._gemm_dx_kernel, (A(types.int8, 2), A(types.int8, 2), i64, i64,
+                                  A(types.int32, 1), A(f32, 1), A(f32, 1), i64, A(f32, 2))),
 ]
 for kernel, sig in kernels:
     kernel.compile(sig)
@@ -176,7 +194,7 @@ print("ok")
 
 @pytest.mark.skipif(not _host_has("avx2"), reason="no x86-64 AVX2 host to compile on")
 def test_alderlake_target_compiles_to_vex_vpdpbusd(tmp_path):
-    """The AVX-VNNI kernels compiled for Alder Lake: the GEMV and GEMM (int8 weights) assembly
+    """The AVX-VNNI kernels compiled for Alder Lake: the GEMV, GEMM and dx (int8 weights) assembly
     holds ``{vex} vpdpbusd`` on ymm registers and no zmm register (compiled, not run)."""
     assert _subprocess(tmp_path, "alderlake", ALDERLAKE, _ASM).strip().endswith("ok")
 

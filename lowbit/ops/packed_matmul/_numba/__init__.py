@@ -7,10 +7,11 @@ this package:
 - ``_vnni.py``: AVX-512 VNNI GEMV and register-tile GEMM, together with the LLVM intrinsics they
   are built from (exact int32; used wherever ``USE_VNNI``), and the same GEMM reading the weight
   across its packed rows for the dx of int8 gradients (``gemm_dx``);
-- ``_avx2.py``: the same GEMV and GEMM on 256-bit vectors, ``vpmaddubsw`` on AVX2 or the
-  VEX ``vpdpbusd`` on AVX-VNNI (exact int32; used where ``USE_AVX2`` and not ``USE_VNNI``:
-  AVX2 CPUs without AVX-512, such as Intel's laptop CPUs from Alder Lake on and AMD's before
-  Zen 4);
+- ``_avx2.py``: the same GEMV on 256-bit vectors, ``vpmaddubsw`` on AVX2 or the VEX
+  ``vpdpbusd`` on AVX-VNNI (exact int32; used where ``USE_AVX2`` and not ``USE_VNNI``: AVX2 CPUs
+  without AVX-512, such as Intel's laptop CPUs from Alder Lake on and AMD's before Zen 4), with
+  the IR helpers of ``_avx2_gemm.py``: the GEMM and the dx of int8 gradients (``gemm_dx``) on
+  the same vectors;
 - ``_fma.py``: AVX-512 float32 register-tile GEMMs of the exact backward, ``dx`` decoding the
   packed codes into its panels and ``dw`` (used wherever ``_fma.AVAILABLE``);
 - ``_llvm.py``: the IR helpers both files' intrinsics are emitted with;
@@ -39,7 +40,7 @@ _backend.numba_cache_guard(__file__, _quantize.__file__)
 
 from ...quantize import WEIGHT_FORMATS as _BITS  # noqa: E402
 from .. import _numpy  # noqa: E402
-from . import _avx2, _backward, _decode, _fma, _gemm_f64, _gemv, _vnni  # noqa: E402
+from . import _avx2, _avx2_gemm, _backward, _decode, _fma, _gemm_f64, _gemv, _vnni  # noqa: E402
 
 #: Whether the integer GEMV and GEMM use the AVX-512 VNNI kernels (the CPU has them); the portable
 #: loops and the float64 BLAS GEMM otherwise.
@@ -83,7 +84,7 @@ def matmul_int(codes_x, scale_x, data, scale_w, format, K):
         if M <= AVX2_GEMV_MAX_ROWS:
             _avx2.gemv(codes_x, scale_x, data, scale_w, _BITS[format], y)
         else:
-            _avx2.gemm(codes_x, scale_x, data, scale_w, _BITS[format], K, y)
+            _avx2_gemm.gemm(codes_x, scale_x, data, scale_w, _BITS[format], K, y)
     elif M <= GEMV_MAX_ROWS:
         _gemv.gemv(codes_x, scale_x, data, scale_w, format, y)
     else:
@@ -133,12 +134,16 @@ def matmul_dx(dy, data, scale_w, format, K):
 
 
 def matmul_dx_int(dy_codes, dy_scale, data, scale, format, K):
-    """``_numpy.matmul_dx_int``'s contract, bit for bit: the VNNI GEMM reading the packed weight
-    across its rows (``_vnni.gemm_dx``), or float64 BLAS on the decoded codes."""
-    if not USE_VNNI:
+    """``_numpy.matmul_dx_int``'s contract, bit for bit: the VNNI or the 256-bit GEMM reading the
+    packed weight across its rows (``_vnni.gemm_dx``, ``_avx2_gemm.gemm_dx``), or float64 BLAS
+    on the decoded codes."""
+    if not (USE_VNNI or USE_AVX2):
         return _numpy.matmul_dx_int(dy_codes, dy_scale, data, scale, format, K)
     dx = _backend.empty((dy_codes.shape[0], K), np.float32)
-    _vnni.gemm_dx(dy_codes, dy_scale, data, _BITS[format], K, np.float32(scale), dx)
+    if dy_codes.shape[0] == 0:
+        return dx
+    kernel = _vnni.gemm_dx if USE_VNNI else _avx2_gemm.gemm_dx
+    kernel(dy_codes, dy_scale, data, _BITS[format], K, np.float32(scale), dx)
     return dx
 
 
