@@ -26,7 +26,7 @@ from lowbit._dispatch import BACKENDS, backend_unavailable_reason
 from . import _harness
 
 #: Every suite, runnable by name (``python -m bench SUITE``) and under pytest-benchmark.
-SUITES = ("pack_bits", "matmul", "scan", "attention", "memory", "lowrank_residual", "embedding",
+SUITES = ("cpu", "pack_bits", "matmul", "scan", "attention", "memory", "lowrank_residual", "embedding",
           "cross_entropy", "layer_norm", "rotary", "rms_norm",
           "adamw", "io", "bitnet", "generate", "train")
 

@@ -302,13 +302,18 @@ REPO = Path(__file__).resolve().parent.parent
 
 def metadata() -> dict:
     """What produced a result file (every JSON writer of ``bench/`` stores it): the lowbit
-    version, the checkout's git commit (None outside a git checkout), the CPU model and the
+    version, the checkout's git commit (None outside a git checkout), the CPU model, the
     versions of numpy, numba and cupy (None when not installed; read from the installed
-    distributions, so nothing is imported for it)."""
+    distributions, so nothing is imported for it), and ``bench/cpu.py``'s facts: the CPU's
+    deciding flags, NumPy's BLAS and its kernel family, ``OPENBLAS_CORETYPE``, the kernel
+    family of each numba op."""
     import lowbit
 
+    from . import cpu
+
     return {"lowbit": lowbit.__version__, "git_commit": _git_commit(), "cpu": _cpu_model(),
-            **{name: _version(name) for name in ("numpy", "numba", "cupy")}}
+            **{name: _version(name) for name in ("numpy", "numba", "cupy")},
+            "cpu_facts": cpu.facts()}
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def test_help_says_what_the_default_runs(capsys):
 def test_an_unknown_suite_is_named_without_an_empty_choice(capsys, no_work):
     code, _, err = _exit(["nope"], capsys)
     assert code == 2
-    assert "unknown suite 'nope' (choose from pack_bits, matmul," in err
+    assert "unknown suite 'nope' (choose from cpu, pack_bits, matmul," in err
     assert "[]" not in err and "''" not in err
 
 
@@ -190,12 +191,35 @@ def _check_metadata(meta):
     assert isinstance(meta["cpu"], str) and meta["cpu"]
     commit = meta["git_commit"]
     assert commit is None or re.fullmatch(r"[0-9a-f]{40}", commit)
+    _check_cpu_facts(meta["cpu_facts"])
+
+
+def _check_cpu_facts(facts):
+    """bench/cpu.py's facts against what this process sees for itself."""
+    for var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "NUMBA_CPU_NAME"):
+        assert facts["env"][var] == os.environ.get(var)
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split(":", 1)[1].split()
+        assert facts["flags"] == {k: k in flags for k in facts["flags"]}
+        assert "avx2" in facts["flags"] and "amx_int8" in facts["flags"]
+    if importlib.util.find_spec("threadpoolctl") is not None:
+        import threadpoolctl
+
+        blas = [i for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+        assert [b["architecture"] for b in facts["blas"]] == [b.get("architecture") for b in blas]
+    if "numba" in lowbit.available_backends():
+        from bench import matmul
+
+        family = {"vnni": "avx512-vnni", "avxvnni": "avx-vnni", "avx2": "avx2",
+                  "portable": "portable float64-BLAS gemm"}[matmul._kernel(None)]
+        assert facts["kernels"]["packed_matmul gemm"] == family
 
 
 def test_write_json_records_what_produced_it(tmp_path):
     path = _harness.write_json("suite", [{"case": "a"}], Config(), tmp_path)
     meta = json.loads(path.read_text())["metadata"]
-    assert set(meta) == {"lowbit", "git_commit", "cpu", "numpy", "numba", "cupy"}
+    assert set(meta) == {"lowbit", "git_commit", "cpu", "numpy", "numba", "cupy", "cpu_facts"}
     _check_metadata(meta)
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_harness.REPO, capture_output=True,
                           text=True)

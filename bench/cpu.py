@@ -1,0 +1,104 @@
+"""Suite ``cpu``: which kernel family each numba op runs on this CPU, and the BLAS NumPy uses.
+
+Report-only rows (nothing is timed): the CPU model and the instruction-set extensions lowbit's
+kernels choose by (AVX2, FMA, AVX-512 F/BW/VNNI, AVX-VNNI, AMX), the CPU Numba compiles for
+(``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` when set), NumPy's BLAS as ``threadpoolctl`` reports
+it (library, version, the kernel family OpenBLAS picked: its ``architecture``) and whether
+``OPENBLAS_CORETYPE`` / ``OPENBLAS_L2_SIZE`` are set (both put OpenBLAS on other kernels), then
+one row per op with the family that runs it. ``facts()`` is the same dictionary that
+``bench/_harness.metadata`` stores in every result file. The choices themselves live with the
+kernels: ``lowbit/ops/packed_matmul/_numba/__init__.py`` (``USE_VNNI``, ``USE_AVX2``),
+``_fma.AVAILABLE``, each op's ``USE_FMA``; ``docs/backends.rst`` describes them.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ._harness import Case, Config
+
+SUITE = "cpu"
+
+#: /proc/cpuinfo flags that decide a kernel (or would: AMX has no kernel of lowbit's yet).
+FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8",
+         "amx_bf16")
+
+
+def _cpu_flags() -> dict:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags") and ":" in line:
+                    have = set(line.split(":", 1)[1].split())
+                    return {flag: flag in have for flag in FLAGS}
+    except OSError:
+        pass
+    return {}
+
+
+def _blas() -> list[dict]:
+    """NumPy's (and any other loaded) BLAS, as threadpoolctl reports it; [] without it."""
+    try:
+        import threadpoolctl
+    except ImportError:
+        return []
+    import numpy  # noqa: F401  (loads its BLAS)
+
+    keys = ("internal_api", "version", "architecture", "num_threads", "prefix")
+    return [{k: info.get(k) for k in keys} for info in threadpoolctl.threadpool_info()
+            if info.get("user_api") == "blas"]
+
+
+def kernels() -> dict:
+    """Op -> the kernel family numba runs it with on this CPU ("-" without numba)."""
+    import lowbit
+
+    if "numba" not in lowbit.available_backends():
+        return {"numba": "-"}
+    from lowbit.ops.gated_delta_scan import _numba_chunked
+    from lowbit.ops.lowrank_residual import _numba as lowrank
+    from lowbit.ops.packed_matmul import _numba as pm
+    from lowbit.ops.packed_matmul._numba import _avx2, _fma
+    from lowbit.ops.segmented_attention import _numba as attention
+
+    integer = ("avx512-vnni" if pm.USE_VNNI else
+               ("avx-vnni" if _avx2.AVX_VNNI else "avx2") if pm.USE_AVX2 else None)
+    fma = "avx512-fma tiles" if _fma.AVAILABLE else "BLAS"
+    return {
+        "packed_matmul gemv (<= 16 rows)": integer or "portable gemv",
+        "packed_matmul gemm": integer or "portable float64-BLAS gemm",
+        "packed_matmul dx": fma if _fma.AVAILABLE else "BLAS on decoded float32 tiles",
+        "packed_matmul dx, int8 gradients": integer or "float64 BLAS",
+        "packed_matmul dw": fma,
+        "segmented_attention": "avx512-fma tiles" if attention.USE_FMA else "BLAS",
+        "gated_delta_scan chunked": ("avx512-fma tiles" if _numba_chunked.USE_FMA
+                                     else "token by token"),
+        "lowrank_residual causal-linear": "avx512-fma tiles" if lowrank.USE_FMA else "BLAS",
+        "amx": "no kernel (not used)",
+    }
+
+
+def facts() -> dict:
+    """The CPU's deciding flags, Numba's target, the BLAS libraries loaded now and their
+    environment, the kernels (read afresh each call: a later import can load another BLAS)."""
+    import numba
+
+    env = {var: os.environ.get(var) for var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
+                                                 "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")}
+    return {"flags": _cpu_flags(), "numba_target": numba.config.CPU_NAME or "host",
+            "env": env, "blas": _blas(), "kernels": kernels()}
+
+
+def cases(config: Config):
+    from ._harness import _cpu_model
+
+    if config.gpu:
+        return
+    f = facts()
+    yield Case(SUITE, "cpu", info={"model": _cpu_model(), "numba target": f["numba_target"],
+                                   **{k: "yes" if v else "no" for k, v in f["flags"].items()}})
+    for i, blas in enumerate(f["blas"] or [{}]):
+        env = {k: v or "unset" for k, v in f["env"].items() if k.startswith("OPENBLAS")}
+        yield Case(SUITE, f"BLAS {i}" if i else "BLAS", info={**blas, **env})
+    for op, family in f["kernels"].items():
+        yield Case(SUITE, op, info={"kernel": family})
