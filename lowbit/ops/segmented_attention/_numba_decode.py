@@ -19,6 +19,8 @@ segment has more than ``SHORT_ROWS`` queries. Siblings: ``_numba.py``, ``_numba_
 reference ``reference/segmented_attention.py``.
 """
 
+import functools
+
 import numba
 import numpy as np
 
@@ -28,10 +30,11 @@ from ._numba_softmax import _exp
 #: Most queries per segment for this path; longer segments reuse each key over a query block,
 #: which the blocked kernels do better.
 SHORT_ROWS = 16
-#: Keys per work item (all heads): 1024 cached keys give 8 items, enough to keep a few threads
-#: busy at one sequence; a split's keys and values (256 KiB at Hkv = 5, D = 128 in float32) and
-#: scores stay in L2.
-SPLIT_KEYS = 128
+#: Keys per work item (all heads): 128 cached keys give 4 items, 1024 give 32, enough to keep a
+#: few threads busy at one sequence (128 keys a split left one of 2 cores idle at a context of
+#: 129: 78 against 67 us, measured); a split's keys and values (64 KiB at Hkv = 5, D = 128 in
+#: float32) and scores stay in L2.
+SPLIT_KEYS = 32
 
 
 def takes(offsets, k_offsets):
@@ -114,11 +117,11 @@ def _partials(q, k, v, offsets, k_offsets, items, scale, causal, group, m_part, 
         acc_part[it, :rows] = acc
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(cache=True)
 def _merge(m_part, l_part, acc_part, offsets, first, group, out, lse):
     """Merges the splits first[s]:first[s + 1] of each row of segment s, in split order."""
     heads, dv = out.shape[1], out.shape[2]
-    for sh in numba.prange((offsets.size - 1) * heads):
+    for sh in range((offsets.size - 1) * heads):
         s, h = sh // heads, sh % heads
         q0 = offsets[s]
         for p in range(q0, offsets[s + 1]):
@@ -143,23 +146,35 @@ def _merge(m_part, l_part, acc_part, offsets, first, group, out, lse):
             lse[h, p] = top + np.log(total)
 
 
-def forward(q, k, v, offsets, k_offsets, scale, causal):
-    """q [Tq, H, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv] -> (out [Tq, H, Dv], lse [H, Tq])."""
-    tokens, heads, _ = q.shape
-    dv = v.shape[2]
+@functools.lru_cache(maxsize=64)
+def _plan(offsets: bytes, k_offsets: bytes, split: int):
+    """(items [n, 3] (segment, first key, key stop), first [segments + 1], most rows a segment
+    has) of these segments, read-only: the same for every layer of a decode step."""
+    offsets, k_offsets = np.frombuffer(offsets, np.int64), np.frombuffer(k_offsets, np.int64)
     k_lengths = np.diff(k_offsets)
-    splits = np.maximum(1, -(-k_lengths // SPLIT_KEYS))  # an empty key segment: one empty split
+    splits = np.maximum(1, -(-k_lengths // split))  # an empty key segment: one empty split
     first = np.zeros(splits.size + 1, np.int64)
     np.cumsum(splits, out=first[1:])
     # Items in (segment, split) order: segment s has items first[s]:first[s + 1].
     seg = np.repeat(np.arange(splits.size), splits)
-    ka = k_offsets[:-1][seg] + (np.arange(seg.size) - first[seg]) * SPLIT_KEYS
-    items = np.stack([seg, ka, np.minimum(ka + SPLIT_KEYS, k_offsets[1:][seg])],
+    ka = k_offsets[:-1][seg] + (np.arange(seg.size) - first[seg]) * split
+    items = np.stack([seg, ka, np.minimum(ka + split, k_offsets[1:][seg])],
                      axis=1).astype(np.int64)
-    rows = int(np.diff(offsets).max()) * heads
-    m_part = np.empty((seg.size, rows), q.dtype)
-    l_part = np.empty((seg.size, rows), q.dtype)
-    acc_part = np.empty((seg.size, rows, dv), q.dtype)
+    items.flags.writeable = first.flags.writeable = False
+    return items, first, int(np.diff(offsets).max())
+
+
+def forward(q, k, v, offsets, k_offsets, scale, causal):
+    """q [Tq, H, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv] -> (out [Tq, H, Dv], lse [H, Tq])."""
+    tokens, heads, _ = q.shape
+    dv = v.shape[2]
+    items, first, most = _plan(np.ascontiguousarray(offsets, np.int64).tobytes(),
+                               np.ascontiguousarray(k_offsets, np.int64).tobytes(), SPLIT_KEYS)
+    rows = most * heads
+    n = items.shape[0]
+    m_part = np.empty((n, rows), q.dtype)
+    l_part = np.empty((n, rows), q.dtype)
+    acc_part = np.empty((n, rows, dv), q.dtype)
     q, k, v = _backend.read_only(q, k, v)
     _partials(q, k, v, offsets, k_offsets, items, q.dtype.type(scale), causal,
               heads // k.shape[1], m_part, l_part, acc_part)
