@@ -19,7 +19,7 @@ from ._harness import Case, Config
 
 SUITE = "cpu"
 
-#: /proc/cpuinfo flags that decide a kernel (or would: AMX has no kernel of lowbit's yet).
+#: /proc/cpuinfo flags that decide a kernel.
 FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8",
          "amx_bf16")
 
@@ -58,23 +58,26 @@ def kernels() -> dict:
     from lowbit.ops.gated_delta_scan import _numba_chunked
     from lowbit.ops.lowrank_residual import _numba as lowrank
     from lowbit.ops.packed_matmul import _numba as pm
-    from lowbit.ops.packed_matmul._numba import _avx2, _fma
+    from lowbit.ops.packed_matmul._numba import _avx2, _fma, _mkl
     from lowbit.ops.segmented_attention import _numba as attention
 
     integer = ("avx512-vnni" if pm.USE_VNNI else
                ("avx-vnni" if _avx2.AVX_VNNI else "avx2") if pm.USE_AVX2 else None)
     fma = "avx512-fma tiles" if _fma.AVAILABLE else "BLAS"
+    mkl = "onemkl amx" if pm.USE_MKL else None
     return {
         "packed_matmul gemv (<= 16 rows)": integer or "portable gemv",
-        "packed_matmul gemm": integer or "portable float64-BLAS gemm",
+        "packed_matmul gemm": mkl or integer or "portable float64-BLAS gemm",
         "packed_matmul dx": fma if _fma.AVAILABLE else "BLAS on decoded float32 tiles",
-        "packed_matmul dx, int8 gradients": integer or "float64 BLAS",
+        "packed_matmul dx, int8 gradients": mkl or integer or "float64 BLAS",
         "packed_matmul dw": fma,
         "segmented_attention": "avx512-fma tiles" if attention.USE_FMA else "BLAS",
         "gated_delta_scan chunked": ("avx512-fma tiles" if _numba_chunked.USE_FMA
                                      else "token by token"),
         "lowrank_residual causal-linear": "avx512-fma tiles" if lowrank.USE_FMA else "BLAS",
-        "amx": "no kernel (not used)",
+        "amx": ("onemkl's cblas_gemm_s8u8s32" if pm.USE_MKL else
+                "this cpu has amx: pip install lowbit[mkl]" if _mkl.AMX else "no amx"),
+        "onemkl": "installed" if _mkl.available() else "not installed (lowbit[mkl])",
     }
 
 

@@ -17,7 +17,9 @@ Op: ``lowbit/ops/packed_matmul`` (formats in ``lowbit/ops/quantize``); reference
 - the straight-through linear layer's backward (ternary weights, int8 activations) against its
   NumPy float32 equivalent: the exact path (target 1.0) and the opt-in int8 gradients (target
   2.0), with the cosine of the latter's dx and dw against the exact gradients;
-- torch float32 / bfloat16 matmul on the same shapes when torch is installed.
+- torch float32 / bfloat16 matmul on the same shapes when torch is installed;
+- the ternary GEMM on oneMKL's integer GEMM when the ``mkl`` extra is installed (target 1.5x
+  torch's bf16 matmul on a CPU with AMX, where lowbit chooses it; reported elsewhere).
 
 With ``--gpu`` the same shapes run on cupy arrays against cupy float16 matmul (GEMM at M = 4096).
 Thread counts are printed with the table; every side runs with the same ones.
@@ -129,6 +131,37 @@ def _torch_cases(x, w, prefix, baseline):
     yield Case(SUITE, f"{prefix} torch bf16", fn=lambda: bx @ bw, baseline=baseline, info=info)
 
 
+def _mkl_cases(xm, pw, M, K, N):
+    """The ternary GEMM on oneMKL's ``cblas_gemm_s8u8s32`` (what ``USE_MKL`` picks on a CPU with
+    AMX), called directly so that it is timed wherever the ``mkl`` extra is installed: against
+    torch's bf16 matmul with target 1.5 on an AMX CPU with torch, against NumPy f32 otherwise
+    (without AMX it is reported, not chosen: ``kernel`` says which)."""
+    try:
+        from lowbit.ops.packed_matmul._numba import _mkl
+    except ImportError:
+        return
+    if not _mkl.available():
+        return
+    try:
+        import torch  # noqa: F401
+        peer = _mkl.AMX
+    except ImportError:
+        peer = False
+    q = lowbit.quantize_activation(xm)
+    sw = np.asarray(pw.scale, np.float32).reshape(-1)
+    out = np.empty((M, N), np.float32)
+
+    def fn():
+        return _mkl.gemm(q.codes, q.scale, pw.data, sw, 2, K, out)
+
+    yield Case(SUITE, "gemm ternary/int8 mkl", fn=fn,
+               check=lambda: _check_exact(np, None, xm, pw, fn().copy()),
+               baseline="gemm torch bf16" if peer else "gemm numpy f32",
+               target=1.5 if peer else None, flops=2.0 * M * K * N,
+               info={"shape": f"{M}x{K}x{N}", "format": "ternary/int8",
+                     "kernel": "mkl amx" if _mkl.AMX else "mkl (no amx: not chosen)"})
+
+
 def cases(config: Config):
     if config.gpu:
         yield from _gpu_cases(config)
@@ -209,6 +242,7 @@ def cases(config: Config):
                          "kernel": _kernel(backend) if act else "-",
                          "weight saving": round(w.nbytes / p.nbytes, 1)})
     yield from _torch_cases(xm, w, "gemm", "gemm numpy f32")
+    yield from _mkl_cases(xm, pw, M, K, N)
 
     # straight-through backward ---------------------------------------------------------------
     yield from _backward_cases(backend, label, rng, xm, w, M, K, N)

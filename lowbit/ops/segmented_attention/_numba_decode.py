@@ -147,10 +147,11 @@ def _merge(m_part, l_part, acc_part, offsets, first, group, out, lse):
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(offsets: bytes, k_offsets: bytes, split: int):
+def _plan(offset_bytes: bytes, k_offset_bytes: bytes, split: int):
     """(items [n, 3] (segment, first key, key stop), first [segments + 1], most rows a segment
     has) of these segments, read-only: the same for every layer of a decode step."""
-    offsets, k_offsets = np.frombuffer(offsets, np.int64), np.frombuffer(k_offsets, np.int64)
+    offsets = np.frombuffer(offset_bytes, np.int64)
+    k_offsets = np.frombuffer(k_offset_bytes, np.int64)
     k_lengths = np.diff(k_offsets)
     splits = np.maximum(1, -(-k_lengths // split))  # an empty key segment: one empty split
     first = np.zeros(splits.size + 1, np.int64)

@@ -12,6 +12,8 @@ this package:
   without AVX-512, such as Intel's laptop CPUs from Alder Lake on and AMD's before Zen 4), with
   the IR helpers of ``_avx2_gemm.py``: the GEMM and the dx of int8 gradients (``gemm_dx``) on
   the same vectors;
+- ``_mkl.py``: oneMKL's ``cblas_gemm_s8u8s32`` (AMX int8 tiles) for the GEMM and the dx of
+  int8 gradients, through ctypes (used where ``USE_MKL``: AMX and the ``mkl`` extra);
 - ``_fma.py``: AVX-512 float32 register-tile GEMMs of the exact backward, ``dx`` decoding the
   packed codes into its panels and ``dw`` (used wherever ``_fma.AVAILABLE``);
 - ``_llvm.py``: the IR helpers both files' intrinsics are emitted with;
@@ -40,8 +42,15 @@ _backend.numba_cache_guard(__file__, _quantize.__file__)
 
 from ...quantize import WEIGHT_FORMATS as _BITS  # noqa: E402
 from .. import _numpy  # noqa: E402
-from . import _avx2, _avx2_gemm, _backward, _decode, _fma, _gemm_f64, _gemv, _vnni  # noqa: E402
+from . import (_avx2, _avx2_gemm, _backward, _decode, _fma, _gemm_f64, _gemv, _mkl,  # noqa: E402
+               _vnni)
 
+#: Whether the integer GEMM (more rows than ``MKL_MIN_ROWS``) and the dx of int8 gradients run on
+#: oneMKL's ``cblas_gemm_s8u8s32`` (``_mkl.py``): where the CPU has AMX and ``lowbit[mkl]`` is
+#: installed.
+USE_MKL = _mkl.USE_MKL
+#: Rows above which the MKL GEMM runs (at and below them, lowbit's GEMV).
+MKL_MIN_ROWS = 16
 #: Whether the integer GEMV and GEMM use the AVX-512 VNNI kernels (the CPU has them); the portable
 #: loops and the float64 BLAS GEMM otherwise.
 USE_VNNI = _vnni.AVAILABLE
@@ -75,7 +84,9 @@ def matmul_int(codes_x, scale_x, data, scale_w, format, K):
     scale_w = np.ascontiguousarray(scale_w, dtype=np.float32).reshape(-1)
     if M == 0:  # no rows: nothing to compute (the kernels size their work by the rows)
         return y
-    if USE_VNNI:
+    if USE_MKL and M > MKL_MIN_ROWS:
+        _mkl.gemm(codes_x, scale_x, data, scale_w, _BITS[format], K, y)
+    elif USE_VNNI:
         if M <= VNNI_GEMV_MAX_ROWS:
             _vnni.gemv(codes_x, scale_x, data, scale_w, _BITS[format], y)
         else:
@@ -134,9 +145,12 @@ def matmul_dx(dy, data, scale_w, format, K):
 
 
 def matmul_dx_int(dy_codes, dy_scale, data, scale, format, K):
-    """``_numpy.matmul_dx_int``'s contract, bit for bit: the VNNI or the 256-bit GEMM reading the
-    packed weight across its rows (``_vnni.gemm_dx``, ``_avx2_gemm.gemm_dx``), or float64 BLAS
-    on the decoded codes."""
+    """``_numpy.matmul_dx_int``'s contract, bit for bit: oneMKL's (``_mkl.gemm_dx``, with AMX), the
+    VNNI or the 256-bit GEMM reading the packed weight across its rows (``_vnni.gemm_dx``,
+    ``_avx2_gemm.gemm_dx``), or float64 BLAS on the decoded codes."""
+    if USE_MKL and dy_codes.shape[0] > MKL_MIN_ROWS:
+        dx = _backend.empty((dy_codes.shape[0], K), np.float32)
+        return _mkl.gemm_dx(dy_codes, dy_scale, data, _BITS[format], K, np.float32(scale), dx)
     if not (USE_VNNI or USE_AVX2):
         return _numpy.matmul_dx_int(dy_codes, dy_scale, data, scale, format, K)
     dx = _backend.empty((dy_codes.shape[0], K), np.float32)
