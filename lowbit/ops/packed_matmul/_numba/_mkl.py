@@ -14,13 +14,14 @@ as ``B``. Every product is then the exact integer one (``|u8 x s8| <= 255 * 128`
 accumulates in int32, on AMX tiles where the CPU has them (Sapphire Rapids on) and with
 ``vpdpbusd`` / ``vpmaddubsw`` elsewhere: results equal ``_numpy.matmul_int``'s bit for bit on any
 x86-64 CPU, which is how this module is tested on machines without AMX. It is chosen only with
-AMX (``USE_MKL``): without it MKL's path ran 15x slower than ``_avx2_gemm`` (256 x 4096 x 4096
-ternary on a 2-core AMD EPYC Zen 3: 300 against 20 ms), and the GEMV stays on lowbit's own
-kernel everywhere (MKL is ~9x slower at one row).
+AMX (``USE_MKL``): without it MKL's path ran 11-15x slower than ``_avx2_gemm`` (ternary on a
+2-core AMD EPYC Zen 3: 64 x 1024 x 1024 5.6 against 0.51 ms, 256 x 4096 x 4096 230-300 against
+20-22 ms), and the GEMV stays on lowbit's own kernel everywhere (MKL is ~9x slower at one row).
 
-MKL runs sequential (``MKL_Set_Threading_Layer``), one call per block of output features on
-``numba.get_num_threads()`` Python threads (ctypes and the ``nogil`` decode release the GIL): no
-OpenMP pool of MKL's own spins against Numba's workers. Each block's weight fields are decoded
+MKL runs one thread per call (``MKL_Set_Num_Threads_Local(1)`` in each calling thread, so an
+MKL-backed NumPy in the same process keeps its own setting), one call per block of output
+features on ``numba.get_num_threads()`` Python threads (ctypes and the ``nogil`` decode release
+the GIL): no OpenMP pool of MKL's own spins against Numba's workers. Each block's weight fields are decoded
 to bytes (``_fields_u8``) just before its call and dropped after.
 """
 
@@ -33,6 +34,7 @@ import functools
 import glob
 import os
 import sys
+import threading
 
 import numba
 import numpy as np
@@ -44,7 +46,7 @@ AMX = "+amx-int8" in host_features()
 #: Output features per MKL call (a block's decoded weight: 512 x K bytes).
 BLOCK_N = 512
 _ROW_MAJOR, _NO_TRANS, _TRANS, _FIX_OFFSET = 101, 111, 112, 173  # CBLAS enums
-_SEQUENTIAL = 1  # MKL_THREADING_SEQUENTIAL
+_LOCAL = threading.local()
 
 
 def _candidates() -> list[str]:
@@ -59,28 +61,40 @@ def _candidates() -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def library():
-    """``cblas_gemm_s8u8s32`` of the first libmkl_rt that loads, MKL set sequential; None when
-    there is none."""
+def _load():
+    """(``cblas_gemm_s8u8s32``, ``MKL_Set_Num_Threads_Local``) of the first libmkl_rt that
+    loads; None when there is none."""
     for path in _candidates():
         try:
             lib = ctypes.CDLL(path)
-            gemm = lib.cblas_gemm_s8u8s32
+            gemm, local = lib.cblas_gemm_s8u8s32, lib.MKL_Set_Num_Threads_Local
         except (OSError, AttributeError):
             continue
-        lib.MKL_Set_Threading_Layer.argtypes = (ctypes.c_int,)
-        lib.MKL_Set_Threading_Layer(_SEQUENTIAL)
         i, p = ctypes.c_int, ctypes.c_void_p  # MKL_INT: 32-bit (the LP64 interface)
         gemm.argtypes = (i, i, i, i, i, i, i, ctypes.c_float, p, i, ctypes.c_int8, p, i,
                          ctypes.c_int8, ctypes.c_float, p, i, p)
         gemm.restype = None
-        return gemm
+        local.argtypes = (i,)
+        local.restype = i
+        return gemm, local
     return None
+
+
+def library():
+    """``cblas_gemm_s8u8s32``, MKL held at one thread for the calling thread; None when there is
+    no libmkl_rt."""
+    found = _load()
+    if found is None:
+        return None
+    if not getattr(_LOCAL, "single", False):
+        found[1](1)
+        _LOCAL.single = True
+    return found[0]
 
 
 def available() -> bool:
     """Whether oneMKL's integer GEMM can be called here."""
-    return library() is not None
+    return _load() is not None
 
 
 #: Whether ``matmul_int`` (more rows than the GEMV's) and ``matmul_dx_int`` run here.
@@ -141,11 +155,11 @@ def _offset(bits: int) -> int:
 def gemm(codes_x, scale_x, data, scale_w, bits, K, out):
     """out = float32(codes_x @ codes_w) * scale_x[:, None] * scale_w (``_numpy.matmul_int``'s
     contract): codes_x [M, K] int8, data packed [N, bytes], scale_w [1] or [N] float32."""
-    call = library()
     M, N = codes_x.shape[0], data.shape[0]
     x = np.ascontiguousarray(codes_x)
 
     def block(n0, n1):
+        call = library()  # in the thread that calls it
         w = np.empty((n1 - n0, K), np.uint8)
         _fields_u8(data, bits, n0, K, w)
         acc = np.empty((n1 - n0, M), np.int32)  # C = W (n1 - n0 x K) . X^T (K x M)
@@ -161,7 +175,6 @@ def gemm(codes_x, scale_x, data, scale_w, bits, K, out):
 def gemm_dx(dy_codes, dy_scale, data, bits, K, scale, out):
     """out [M, K] = float32(dy_codes @ codes_w.T) * dy_scale[:, None] * scale
     (``_numpy.matmul_dx_int``'s contract): dy_codes [M, N] int8, data packed [N, bytes]."""
-    call = library()
     M, N = dy_codes.shape
     g = np.ascontiguousarray(dy_codes)
     w = np.empty((N, K), np.uint8)
@@ -169,6 +182,7 @@ def gemm_dx(dy_codes, dy_scale, data, bits, K, scale, out):
     scale_w = np.full(1, scale, np.float32)
 
     def block(k0, k1):  # C = W[:, k0:k1]^T (k1 - k0 x N) . G^T (N x M)
+        call = library()  # in the thread that calls it
         acc = np.empty((k1 - k0, M), np.int32)
         zero = np.zeros(1, np.int32)
         call(_ROW_MAJOR, _TRANS, _TRANS, _FIX_OFFSET, k1 - k0, M, N, 1.0,
