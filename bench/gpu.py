@@ -3,8 +3,10 @@
 One call gives the whole picture: the environment (GPU, compute capability, driver, CUDA runtime,
 CuPy, NumPy), every kernel module compiled once up front and timed apart (a cold kernel cache costs
 its compile time there, not inside a test or a timed row), ``pytest -m gpu`` with a per-test time
-limit and without ``-x``, then every speed suite of ``bench/`` on cupy arrays (``train``: one timed
-training step per configuration; ``bitnet``: a small BitNet model's decode tokens/s at
+limit and without ``-x``, then the main job (``main``: ``bench/train.py``'s three configurations
+trained at the main job's shape on cupy arrays, with its table and targets, as ``python -m bench
+--gpu``), then every speed suite of ``bench/`` on cupy arrays (``train``: one timed training
+step per configuration; ``bitnet``: a small BitNet model's decode tokens/s at
 contexts 128 and 1024, its logits checked first against the host's), then the kernel rows of
 ``bench/gpu_kernels.py``, one step per group (``gpu_kernels.gemv``, ``.gemm``, ``.attention``,
 ``.scans``; ``--suites gpu_kernels`` names them all). First, wheels in
@@ -24,8 +26,8 @@ non-zero when cupy does not import, no device is visible, zero GPU tests ran, or
 
 ``--dry-run`` rehearses the same steps on this CPU (CI runs it, ``tests/test_gpu_check.py``):
 the kernels are built and the tests run on the cudasim backend (the cudasim tests of a few ops),
-a suite at ``--quick`` shapes on numpy arrays, since cudasim is far too slow for the suites'
-shapes, and the kernel rows at tiny shapes on cudasim (the ceilings and CUDA peers skipped, each
+a suite and the main job at ``--quick`` shapes on numpy arrays, since cudasim is far too slow
+for their shapes, and the kernel rows at tiny shapes on cudasim (the ceilings and CUDA peers skipped, each
 saying so). The pytest plugin of the tests step is this module too (``-p bench.gpu``).
 """
 
@@ -60,14 +62,14 @@ DEFAULT_DEADLINE_S = 420
 RESERVE_S = 5
 #: Relative share of the deadline of each step; unused time flows to the steps after it.
 #: The scans' group compiles and autotunes fla's Triton kernels on its first calls.
-WEIGHTS = {"compile": 1.0, "tests": 4.0, "train": 2.0, "gpu_kernels.attention": 1.5,
+WEIGHTS = {"compile": 1.0, "tests": 4.0, "main": 3.0, "train": 2.0, "gpu_kernels.attention": 1.5,
            "gpu_kernels.scans": 3.0}
 #: Per-test limit: a test still running after this is reported as timed out, its tracebacks
 #: dumped, and the tests after it run in a fresh pytest process.
 TEST_LIMIT_S = 60
 #: The dry run's tests and suites: cudasim tests of a few ops, a suite that is quick on numba.
 DRY_TESTS = ("tests/test_pack_bits.py", "tests/test_quantize.py")
-DRY_SUITES = ("adamw", *KERNEL_SUITES)
+DRY_SUITES = ("main", "adamw", *KERNEL_SUITES)
 #: Wheels to install before the steps (offline, from this folder), when the folder exists.
 WHEELS_DIR = Path(__file__).resolve().parent / "results" / "wheels"
 WHEELS_LIMIT_S = 120
@@ -344,11 +346,39 @@ def write_junit(path: Path, results: list[dict]) -> None:
     ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
 
 
+def main_job(dry_run: bool) -> list[dict]:
+    """The main job's rows (``bench/train.py``'s comparison at its own shape: losses, tokens/s,
+    peak step memory, saved bytes) and its targets, on cupy arrays (dry run: ``--quick`` on
+    numpy; its targets are for the full shape and are reported, not required, there)."""
+    from lowbit.models import train as training
+
+    from . import train
+
+    config = _harness.Config(quick=dry_run, gpu=not dry_run)
+    run = train.shape(config)
+    corpus = training.default_corpus()
+
+    def progress(message):
+        print(message, file=sys.stderr, flush=True)
+
+    rows, _ = train.comparison(run, corpus, progress=progress, xp=_harness.xp(config))
+    rows = [{"suite": "main", **r} for r in rows]
+    print(_harness.table([{k: v for k, v in r.items() if k != "sample"} for r in rows]),
+          flush=True)
+    for what, measured, rel, bound, met in train.targets(rows, training.unigram_entropy(corpus)):
+        print(f"  {'PASS' if met else 'FAIL'}  {what}: {measured:.4g} (target {rel} {bound:.4g})",
+              flush=True)
+        rows.append({"suite": "main", "case": f"target: {what}", "measured": measured,
+                     "bound": bound, "relation": rel, "met": bool(met)})
+    return rows
+
+
 def _worker(args) -> int:
-    """``--step compile|SUITE``: one step, run in its own process; results to ``--to``."""
+    """``--step compile|main|SUITE``: one step, run in its own process; results to ``--to``."""
     to = Path(args.to)
-    result = compile_all(args.dry_run) if args.step == "compile" else run_suite(args.step,
-                                                                              args.dry_run, to)
+    result = (compile_all(args.dry_run) if args.step == "compile" else
+              main_job(args.dry_run) if args.step == "main" else
+              run_suite(args.step, args.dry_run, to))
     to.write_text(json.dumps(result, default=str))
     # A kernel row that failed is recorded in its row, and fails its step.
     return 1 if args.step in KERNEL_SUITES and any("error" in row for row in result) else 0
@@ -382,7 +412,8 @@ def main(argv=None) -> int:
     parser.add_argument("--test-limit", type=float, default=TEST_LIMIT_S,
                         help=f"seconds one test may run (default {TEST_LIMIT_S})")
     parser.add_argument("--suites", nargs="*", default=None, metavar="SUITE",
-                        help="suites to run (default: every suite, then the kernel groups; "
+                        help="suites to run (default: main, the main job, then every suite, "
+                             "then the kernel groups; "
                              "gpu_kernels names every group; dry run: "
                              f"{' '.join(DRY_SUITES)})")
     parser.add_argument("--tests", nargs="*", default=None, metavar="PATH",
@@ -396,10 +427,10 @@ def main(argv=None) -> int:
     if args.step:
         return _worker(args)
     suites = args.suites if args.suites is not None else (DRY_SUITES if args.dry_run
-                                                          else SUITES + KERNEL_SUITES)
+                                                          else ("main",) + SUITES + KERNEL_SUITES)
     suites = [s for name in suites
               for s in (KERNEL_SUITES if name == "gpu_kernels" else (name,))]
-    known = SUITES + KERNEL_SUITES
+    known = ("main",) + SUITES + KERNEL_SUITES
     unknown = sorted(set(suites) - set(known))
     if unknown:
         parser.error(f"unknown suites {unknown}; choose from gpu_kernels, {', '.join(known)}")

@@ -108,6 +108,18 @@ def test_gpu_here_names_the_missing_cupy(capsys, no_work):
 ROW = {"case": "fp32", "val loss": 1.0, "sample": "The x"}
 
 
+def test_a_configuration_trains_and_samples_for_real():
+    """``train.run_config`` unmocked at the quick shape (the main job's code path, which the CLI
+    tests below replace): a row with finite losses and a sample of the prompt and its bytes."""
+    from lowbit.models import train as training
+
+    row, history = train.run_config("ternary+int8", train.QUICK, training.default_corpus())
+    assert row["steps"] == train.QUICK["steps"] and history["val"]
+    assert np.isfinite(row["train loss"]) and np.isfinite(row["val loss"])
+    assert row["sample"].startswith(train.PROMPT.decode())
+    assert len(row["sample"].encode("utf-8", "replace")) >= len(train.PROMPT) + 1
+
+
 @pytest.fixture
 def fake_training(monkeypatch):
     """The main job with its model check and training replaced by records of how they were

@@ -62,7 +62,13 @@ def test_dry_run_takes_every_step_and_passes(tmp_path):
     env = report["environment"]
     assert env["dry_run"] and env["numpy"] and env["python"] and "cudasim" in env["device"]
     steps = report["steps"]
-    assert list(steps) == ["compile", "tests", "adamw", *gpu.KERNEL_SUITES]
+    assert list(steps) == ["compile", "tests", "main", "adamw", *gpu.KERNEL_SUITES]
+    # The main job: the three configurations trained (quick shape), then its targets.
+    main = steps["main"]["rows"]
+    assert steps["main"]["exit"] == 0
+    assert [r["case"] for r in main[:3]] == ["fp32", "ternary+int8", "ternary+int8+sparse"]
+    assert all(r["tokens/s"] > 0 and r["val loss"] > 0 for r in main[:3])
+    assert len(main) == 3 + 5 and all(r["case"].startswith("target: ") for r in main[3:])
     # Every op's kernel module was built and timed apart.
     launchers = sorted(p.parent.name for p in (REPO / "lowbit" / "ops").glob("*/_cuda.py"))
     assert len(steps["compile"]["compile_s"]) == len(launchers)
