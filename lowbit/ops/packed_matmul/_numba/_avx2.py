@@ -27,7 +27,8 @@ Products (exact int32; ``u``: the unsigned weight operand, ``x``: int8 activatio
 GEMV (``gemv``, few rows): per block of packed bytes each field is masked out (shift + and) and
 multiplied with its activation plane ``plane[j][g] = codes_x[per * g + j]``; the AVX2 products of
 one block are summed in int16 (at most 8 pairs: exact by the bounds above) and widened once.
-``dot_rows(bits, rows)`` reads a weight block once for ``rows`` activation rows.
+``dot_group(bits, rows)`` reads a weight block once for ``rows`` activation rows, over all the
+weight rows of a task in one loop nest.
 
 The GEMM (more rows) is in ``_avx2_gemm.py``; it builds on the IR helpers here.
 """
@@ -120,33 +121,39 @@ def _reduce(builder, v):
     return _call(builder, "llvm.vector.reduce.add.v8i32", _I32, [v])
 
 
-def dot_rows(bits, rows):
-    """Intrinsic ``dot(planes, m0, row, start, niter)``: the raw sums of ``rows`` activation rows
-    with one packed weight row, an int32 (rows 1) or a tuple of int32.
+def dot_group(bits, rows):
+    """Intrinsic ``dot(planes, m0, data, n0, width, start, niter, acc)``: adds to ``acc[m0 + r,
+    j]`` the raw sums of activation rows ``m0 .. m0 + rows`` with packed weight rows ``n0 + j``,
+    ``j < width``, one weight row after the other in one loop nest (a call per row spent about as
+    long on its entry, pointers and horizontal sum as on the ten blocks of a row at K = 2560).
 
-    ``planes``: C-contiguous int8 ``[M, fields, >= len(row)]`` (``_vnni._planes``), rows
-    ``m0 .. m0 + rows``; ``row``: contiguous uint8; the sums run over ``niter *
-    BLOCK_BYTES[bits]`` bytes from byte ``start``: ``sum_g sum_j field_j(row[g]) * planes[m, j,
-    g]``, for
-    int8 weights ``sum_g (row[g] + INT8_OFFSET) * planes[m, 0, g]`` (row as int8).
+    ``planes``: C-contiguous int8 ``[M, fields, >= nbytes]`` (``_vnni._planes``); ``data``:
+    C-contiguous uint8 ``[N, nbytes]``; ``acc``: C-contiguous int32 ``[M, >= width]``; the sums
+    run over ``niter * BLOCK_BYTES[bits]`` bytes from byte ``start``: ``sum_g sum_j
+    field_j(row[g]) * planes[m, j, g]``, for int8 weights ``sum_g (row[g] + INT8_OFFSET) *
+    planes[m, 0, g]`` (row as int8); int32 wrap-around.
     """
     fields = 8 // bits if bits < 8 else 1
     block = BLOCK_BYTES[bits]
     vectors = block // _BYTES
-    ret = types.int32 if rows == 1 else types.UniTuple(types.int32, rows)
 
     @intrinsic
-    def dot(typingctx, planes, m0, row, start, niter):
+    def dot(typingctx, planes, m0, data, n0, width, start, niter, acc):
         if not (is_array(planes, 3, (types.int8,))
-                and is_array(row, 1, (types.uint8, types.int8))):
+                and is_array(data, 2, (types.uint8, types.int8))
+                and is_array(acc, 2, (types.int32,))):
             return None
-        sig = ret(planes, types.intp, row, types.intp, types.intp)
+        sig = types.void(planes, types.intp, data, types.intp, types.intp, types.intp,
+                         types.intp, acc)
 
         def codegen(context, builder, signature, args):
             pl = context.make_array(signature.args[0])(context, builder, args[0])
-            rw = context.make_array(signature.args[2])(context, builder, args[2])
+            dt = context.make_array(signature.args[2])(context, builder, args[2])
+            ac = context.make_array(signature.args[7])(context, builder, args[7])
             intp = context.get_value_type(types.intp)
             s0, s1, _ = cgutils.unpack_tuple(builder, pl.strides, 3)
+            w0 = cgutils.unpack_tuple(builder, dt.strides, 2)[0]
+            a0 = cgutils.unpack_tuple(builder, ac.strides, 2)[0]
 
             def const(value):
                 return ir.Constant(intp, value)
@@ -154,44 +161,53 @@ def dot_rows(bits, rows):
             at = [[ptr(builder, pl.data, builder.add(
                 builder.mul(s0, builder.add(args[1], const(r))), builder.mul(s1, const(j))))
                 for j in range(fields)] for r in range(rows)]
+            out = [ptr(builder, ac.data, builder.mul(a0, builder.add(args[1], const(r))), _I32)
+                   for r in range(rows)]
             chains = fields * vectors if AVX_VNNI else (2 if bits == 8 else 1)
 
-            def step(it, accs):
-                start = builder.add(args[3], builder.mul(it, const(block)))
-                offs = [builder.add(start, const(v * _BYTES)) for v in range(vectors)]
-                new = list(accs)
-                if bits == 8 and not AVX_VNNI:
-                    halves = [builder.add(o, const(h)) for o in offs for h in (0, 16)]
-                    ws = [_sext16(builder, rw.data, o) for o in halves]
-                    for r in range(rows):
-                        for i, o in enumerate(halves):
-                            c = r * chains + i % chains
-                            new[c] = builder.add(new[c], _madd(
-                                builder, ws[i], _sext16(builder, at[r][0], o)))
-                    return new
-                us = [[_field(builder, builder.load(ptr(builder, rw.data, o, _V8), align=1),
-                              bits, j) for j in range(fields)] for o in offs]
-                for r in range(rows):
-                    prods = []
-                    for v, o in enumerate(offs):
-                        for j in range(fields):
-                            x = builder.load(ptr(builder, at[r][j], o, _V8), align=1)
-                            if AVX_VNNI:
-                                c = r * chains + v * fields + j
-                                new[c] = _dpbusd(builder, new[c], us[v][j], x)
-                            else:
-                                prods.append(_maddubs(builder, us[v][j], x))
-                    if prods:  # at most 8 pairs of <= 768: exact in int16
-                        new[r] = builder.add(new[r], _widen(builder, _tree_sum(builder, prods)))
-                return new
+            def one_row(j, _):
+                row = ptr(builder, dt.data, builder.mul(w0, builder.add(args[3], j)))
 
-            accs = counted_loop(builder, intp, args[4], [_splat(_V8, 0)] * (rows * chains),
-                                step, "dot")
-            sums = [_reduce(builder, _tree_sum(builder, accs[r * chains:(r + 1) * chains]))
-                    for r in range(rows)]
-            if rows == 1:
-                return sums[0]
-            return context.make_tuple(builder, signature.return_type, sums)
+                def step(it, accs):
+                    start = builder.add(args[5], builder.mul(it, const(block)))
+                    offs = [builder.add(start, const(v * _BYTES)) for v in range(vectors)]
+                    new = list(accs)
+                    if bits == 8 and not AVX_VNNI:
+                        halves = [builder.add(o, const(h)) for o in offs for h in (0, 16)]
+                        ws = [_sext16(builder, row, o) for o in halves]
+                        for r in range(rows):
+                            for i, o in enumerate(halves):
+                                c = r * chains + i % chains
+                                new[c] = builder.add(new[c], _madd(
+                                    builder, ws[i], _sext16(builder, at[r][0], o)))
+                        return new
+                    us = [[_field(builder, builder.load(ptr(builder, row, o, _V8), align=1),
+                                  bits, f) for f in range(fields)] for o in offs]
+                    for r in range(rows):
+                        prods = []
+                        for v, o in enumerate(offs):
+                            for f in range(fields):
+                                x = builder.load(ptr(builder, at[r][f], o, _V8), align=1)
+                                if AVX_VNNI:
+                                    c = r * chains + v * fields + f
+                                    new[c] = _dpbusd(builder, new[c], us[v][f], x)
+                                else:
+                                    prods.append(_maddubs(builder, us[v][f], x))
+                        if prods:  # at most 8 pairs of <= 768: exact in int16
+                            new[r] = builder.add(new[r],
+                                                 _widen(builder, _tree_sum(builder, prods)))
+                    return new
+
+                accs = counted_loop(builder, intp, args[6], [_splat(_V8, 0)] * (rows * chains),
+                                    step, "dot")
+                for r in range(rows):
+                    total = _reduce(builder, _tree_sum(builder, accs[r * chains:(r + 1) * chains]))
+                    at_j = builder.gep(out[r], [j])
+                    builder.store(builder.add(builder.load(at_j, align=4), total), at_j, align=4)
+                return []
+
+            counted_loop(builder, intp, args[4], [], one_row, "rows")
+            return context.get_dummy_value()
 
         return sig, codegen
 
@@ -200,8 +216,7 @@ def dot_rows(bits, rows):
 
 # ---------------------------------------------------------------------------------------------
 # GEMV
-_DOT = {(bits, rows): dot_rows(bits, rows) for bits in (2, 1, 8) for rows in (1, 4)}
-_D21, _D24, _D11, _D14, _D81, _D84 = (_DOT[b, r] for b in (2, 1, 8) for r in (1, 4))
+_D21, _D24, _D11, _D14, _D81, _D84 = (dot_group(b, r) for b in (2, 1, 8) for r in (1, 4))
 
 
 @numba.njit(cache=True)
@@ -248,32 +263,32 @@ def _gemv_kernel(planes, data, bits, block, chunk, offset, xsum, scale_x, scale_
         acc = np.zeros((M, C), np.int32)
         for c0 in range(0, whole, chunk):
             niter = min(chunk, whole - c0) // block
-            for j in range(width):
-                row = data[n0 + j]
-                m = 0
-                while m + 4 <= M:
-                    if bits == 2:
-                        t = _D24(planes, m, row, c0, niter)
-                    elif bits == 1:
-                        t = _D14(planes, m, row, c0, niter)
-                    else:
-                        t = _D84(planes, m, row, c0, niter)
-                    acc[m, j] += t[0]
-                    acc[m + 1, j] += t[1]
-                    acc[m + 2, j] += t[2]
-                    acc[m + 3, j] += t[3]
-                    m += 4
-                for r in range(m, M):
-                    if bits == 2:
-                        acc[r, j] += _D21(planes, r, row, c0, niter)
-                    elif bits == 1:
-                        acc[r, j] += _D11(planes, r, row, c0, niter)
-                    else:
-                        acc[r, j] += _D81(planes, r, row, c0, niter)
+            m = 0
+            while m + 4 <= M:
+                if bits == 2:
+                    _D24(planes, m, data, n0, width, c0, niter, acc)
+                elif bits == 1:
+                    _D14(planes, m, data, n0, width, c0, niter, acc)
+                else:
+                    _D84(planes, m, data, n0, width, c0, niter, acc)
+                m += 4
+            for r in range(m, M):
+                if bits == 2:
+                    _D21(planes, r, data, n0, width, c0, niter, acc)
+                elif bits == 1:
+                    _D11(planes, r, data, n0, width, c0, niter, acc)
+                else:
+                    _D81(planes, r, data, n0, width, c0, niter, acc)
+        mult = 2 if bits == 1 else 1
         for j in range(width):
             n = n0 + j
-            row = data[n]
             sw = scale_w[n * stride]
+            if whole == nbytes:  # no tail bytes (the common case: no views, no call)
+                for m in range(M):
+                    v = np.int32(np.int64(acc[m, j]) * mult - xsum[m])
+                    out[m, n] = (np.float32(v) * scale_x[m]) * sw
+                continue
+            row = data[n]
             for m in range(M):
                 out[m, n] = _tail(acc[m, j], planes[m], row, whole, bits, offset, xsum[m],
                                   scale_x[m], sw)
