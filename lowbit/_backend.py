@@ -280,6 +280,7 @@ _SHAPE_CACHES = (
     ("lowbit.ops.lowrank_residual._layer", "_rope_tables_host"),
     ("lowbit.ops.lowrank_residual._layer", "_rope_tables_device"),
     ("lowbit.ops.rotary", "_host_tables"),
+    ("lowbit.ops.segmented_attention._numba_decode", "_plan"),
 )
 
 
@@ -288,7 +289,7 @@ def clear_caches() -> None:
 
     Frees the packed GEMM's float64 workspaces of the calling thread (each at most
     ``WORKSPACE_MAX_BYTES``; another thread's are freed when that thread ends, or by calling this
-    in it) and the cached rotary tables. Only modules already imported are touched; the next
+    in it), the cached rotary tables and the decode attention's work plans. Only modules already imported are touched; the next
     call simply allocates afresh.
     """
     import sys
