@@ -87,7 +87,9 @@ def test_exact_at_largest_codes(backend, format):
 
 def use_kernel(monkeypatch, kernel):
     """Run the numba packed matmul on one kernel family: "vnni" (AVX-512 VNNI), "avx2" (AVX2 or
-    AVX-VNNI, ``_avx2.py``) or "portable"; skip where this CPU lacks it."""
+    AVX-VNNI, ``_avx2.py`` and ``_avx2_gemm.py``) or "portable"; skip where this CPU lacks it.
+    The GEMV of both SIMD families is ``_avx2.gemv``, on 512-bit vectors where the CPU has
+    AVX-512 VNNI (its 256-bit variants run in ``tests/test_packed_matmul_targets.py``)."""
     from lowbit.ops.packed_matmul import _numba
     from lowbit.ops.packed_matmul._numba import _avx2, _vnni
 
@@ -141,8 +143,8 @@ def test_numba_gemv_kernels(monkeypatch, rng, format, kernel):
     """Every numba GEMV kernel (AVX-512 VNNI, AVX2 / AVX-VNNI, the portable loops) against the
     reference.
 
-    K is chosen around the VNNI blocks (64, 128 and 256 packed bytes a loop iteration) so that
-    whole blocks, tails and rows shorter than one block all occur; the last case has every code
+    K is chosen around the GEMV blocks (32 to 128 packed bytes a loop iteration) so that whole
+    blocks, tails and rows shorter than one block all occur; the last case has every code
     at its largest magnitude with alternating signs.
     """
     use_kernel(monkeypatch, kernel)

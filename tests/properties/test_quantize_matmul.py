@@ -3,7 +3,7 @@
 Codes, scales and integer-path products equal ``reference/quantize.py`` and
 ``reference/packed_matmul.py`` exactly; the float path and the straight-through linear layer
 within the tolerances of ``tests/test_packed_matmul.py``. Shapes cross the numba kernels' row
-switches (``GEMV_MAX_ROWS``, ``VNNI_GEMV_MAX_ROWS``, the VNNI ``TILE_ROWS``), the VNNI block
+switches (``GEMV_MAX_ROWS``, ``VNNI_GEMV_MAX_ROWS``, the VNNI ``TILE_ROWS``), the GEMV block
 widths and ``TILE_N``, with the AVX-512 kernels on and off (``_portable``). Example-based
 tests: ``tests/test_quantize.py``, ``tests/test_packed_matmul.py``.
 """
@@ -18,7 +18,7 @@ from strategies import LAYOUTS, arrays, boundaries, dims, on_backends, relayout,
 
 import lowbit
 from lowbit.ops.packed_matmul import _numba as pm_numba
-from lowbit.ops.packed_matmul._numba import _vnni
+from lowbit.ops.packed_matmul._numba import _avx2, _vnni
 from lowbit.reference.packed_matmul import linear_bwd_ref, linear_ref, packed_matmul_ref
 from lowbit.reference.quantize import (ACT_QMAX, quantize_activation_ref, quantize_weight_ref,
                                        weight_codes_ref)
@@ -26,8 +26,8 @@ from lowbit.reference.quantize import (ACT_QMAX, quantize_activation_ref, quanti
 FORMATS = ("ternary", "sign", "int8")
 ROWS = dims(*boundaries(pm_numba, "GEMV_MAX_ROWS", "VNNI_GEMV_MAX_ROWS"),
             *boundaries(_vnni, "TILE_ROWS"), high=33)
-# K one past each VNNI block (in codes: bytes x codes per byte) and a GEMM k-block.
-K_DIMS = dims(64, *{_vnni.BLOCK_BYTES[b] * (8 // b) for b in _vnni.BLOCK_BYTES}, high=513)
+# K one past each GEMV block (in codes: bytes x codes per byte) and a GEMM k-block.
+K_DIMS = dims(64, *{_avx2.BLOCK_BYTES[b] * (8 // b) for b in _avx2.BLOCK_BYTES}, high=513)
 N_DIMS = dims(*boundaries(pm_numba, "TILE_N"), high=1025)
 # Products of the reference's explicit loops stay below this many multiply-adds.
 REF_WORK = 20_000

@@ -88,7 +88,7 @@ def matmul_int(codes_x, scale_x, data, scale_w, format, K):
         _mkl.gemm(codes_x, scale_x, data, scale_w, _BITS[format], K, y)
     elif USE_VNNI:
         if M <= VNNI_GEMV_MAX_ROWS:
-            _vnni.gemv(codes_x, scale_x, data, scale_w, _BITS[format], y)
+            _avx2.gemv(codes_x, scale_x, data, scale_w, _BITS[format], y)
         else:
             _vnni.gemm(codes_x, scale_x, data, scale_w, _BITS[format], K, y)
     elif USE_AVX2:

@@ -1,12 +1,14 @@
-"""AVX2 and AVX-VNNI (256-bit) kernels of the numba packed matmul, with their LLVM intrinsics.
+"""The SIMD GEMV of the numba packed matmul on every x86-64 CPU with AVX2 (256-bit AVX2 and
+AVX-VNNI, 512-bit AVX-512 VNNI), and the 256-bit IR helpers of ``_avx2_gemm.py``.
 
 Siblings in ``lowbit/ops/packed_matmul/_numba/``: ``__init__.py`` (the choice of kernel),
 ``_vnni.py`` (the AVX-512 VNNI kernels these follow, and ``_planes``, the activation layout both
 use), ``_gemv.py`` / ``_gemm_f64.py`` (portable), ``_llvm.py`` (the IR helpers). The intrinsics
 and the kernels that call them share this file for Numba's cache (see ``_vnni.py``). Every
 variant is chosen when the module is imported, from the features of the CPU Numba compiles for
-(``AVAILABLE``: AVX2; ``AVX_VNNI``: the 256-bit ``vpdpbusd``, LLVM feature ``+avxvnni``); that
-feature list is part of the key of every cached kernel, so a cache never mixes them.
+(``AVAILABLE``: AVX2; ``AVX_VNNI``: the 256-bit ``vpdpbusd``, LLVM feature ``+avxvnni``;
+``WIDE``: AVX-512 VNNI, the GEMV on 512-bit vectors); that feature list is part of the key of
+every cached kernel, so a cache never mixes them.
 
 Products (exact int32; ``u``: the unsigned weight operand, ``x``: int8 activation codes):
 
@@ -22,13 +24,16 @@ Products (exact int32; ``u``: the unsigned weight operand, ``x``: int8 activatio
 - AVX-VNNI: ``vpdpbusd`` (four u8 x s8 products added to an int32 lane, no saturation), the
   intrinsic ``llvm.x86.avx512.vpdpbusd.256``, which LLVM encodes with VEX (``{vex} vpdpbusd``
   on ymm registers) when the target has ``+avxvnni`` and not AVX-512 VL; int8 weights as in
-  ``_vnni.py``, with the sign bit flipped (raw sum offset by ``128 * sum(x)``).
+  ``_vnni.py``, with the sign bit flipped (raw sum offset by ``128 * sum(x)``);
+- AVX-512 VNNI (GEMV only): the same on zmm registers, ``llvm.x86.avx512.vpdpbusd.512``.
 
 GEMV (``gemv``, few rows): per block of packed bytes each field is masked out (shift + and) and
 multiplied with its activation plane ``plane[j][g] = codes_x[per * g + j]``; the AVX2 products of
 one block are summed in int16 (at most 8 pairs: exact by the bounds above) and widened once.
 ``dot_group(bits, rows)`` reads a weight block once for ``rows`` activation rows, over all the
-weight rows of a task in one loop nest.
+weight rows of a task in one loop nest. On AVX-512 VNNI this replaced a kernel of one call per
+weight row and activation row, with 128-byte blocks (BitNet 2B's 210 decode projections from
+DRAM, one row, 2-core Intel Xeon: 69 against 37 ms; 16 rows 581 against 169 ms).
 
 The GEMM (more rows) is in ``_avx2_gemm.py``; it builds on the IR helpers here.
 """
@@ -48,18 +53,31 @@ _FEATURES = host_features()
 AVAILABLE = "+avx2" in _FEATURES
 #: True when it also has AVX-VNNI (the VEX-encoded 256-bit ``vpdpbusd``).
 AVX_VNNI = AVAILABLE and "+avxvnni" in _FEATURES
+#: True when it has AVX-512 VNNI: the GEMV then runs on 512-bit vectors (``vpdpbusd`` on zmm).
+WIDE = {"+avx512vnni", "+avx512bw"} <= _FEATURES
+#: Whether the GEMV multiplies with ``vpdpbusd`` (else ``vpmaddubsw``).
+GEMV_DPBUSD = WIDE or AVX_VNNI
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _V8 = ir.VectorType(_I32, 8)
 _B32 = ir.VectorType(_I8, 32)
 _W16 = ir.VectorType(_I16, 16)
 _BYTES = 32
+#: The GEMV's vectors: int32 lanes, bytes and vector registers of the target.
+GEMV_LANES = 16 if WIDE else 8
+GEMV_VECTOR_BYTES = 4 * GEMV_LANES
+GEMV_REGISTERS = 32 if WIDE else 16
 
-#: Weight bytes of one GEMV loop iteration, by field bits.
-BLOCK_BYTES = {2: 64, 1: 32, 8: 128 if AVX_VNNI else 64}
-#: What ``gemv`` and ``gemm`` subtract per activation code from an int8-weight raw sum (the
-#: sign flip of ``vpdpbusd``; the AVX2 int16 products need none).
+#: Weight bytes of one GEMV loop iteration, by field bits: one vector of 2- and 1-bit fields
+#: (a multiple of every K a model has, so no tail bytes: the AVX-512 GEMV this replaced read
+#: 128 bytes an iteration, and BitNet 2B's down projection, 1728 bytes a row, then summed 64 of
+#: them a row in scalar code), two of int8 codes.
+BLOCK_BYTES = {2: GEMV_VECTOR_BYTES, 1: GEMV_VECTOR_BYTES,
+               8: 2 * GEMV_VECTOR_BYTES if GEMV_DPBUSD else GEMV_VECTOR_BYTES}
+#: What ``gemm`` subtracts per activation code from an int8-weight raw sum (the sign flip of
+#: ``vpdpbusd``; the AVX2 int16 products need none); ``GEMV_INT8_OFFSET``: the same for ``gemv``.
 INT8_OFFSET = 128 if AVX_VNNI else 0
+GEMV_INT8_OFFSET = 128 if GEMV_DPBUSD else 0
 #: Longest run of ``vpmaddubsw`` results an int16 lane sums exactly, by field bits (the GEMM's).
 INT16_STEPS = {2: 32767 // (2 * 3 * 128), 1: 32767 // (2 * 1 * 128)}
 
@@ -91,8 +109,10 @@ def _widen(builder, w16):
 
 
 def _dpbusd(builder, acc, u, s):
-    """acc + the sums of four u8 x s8 products per int32 lane (AVX-VNNI)."""
-    return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _V8, [acc, u, s])
+    """acc + the sums of four u8 x s8 products per int32 lane (AVX-VNNI on 8 lanes, AVX-512
+    VNNI on 16)."""
+    return _call(builder, f"llvm.x86.avx512.vpdpbusd.{32 * acc.type.count}", acc.type,
+                 [acc, u, s])
 
 
 def _sext16(builder, base, offset):
@@ -102,12 +122,13 @@ def _sext16(builder, base, offset):
 
 
 def _field(builder, w, bits, j):
-    """Field j of 32 packed bytes masked to the low bits of each byte (int8 codes: the bytes
+    """Field j of a vector of packed bytes masked to the low bits of each byte (int8 codes: the bytes
     with their sign bit flipped)."""
     if bits == 8:
-        return builder.xor(w, _splat(_V8, 0x80808080 - (1 << 32)))
+        return builder.xor(w, _splat(w.type, 0x80808080 - (1 << 32)))
     mask = {2: 0x03030303, 1: 0x01010101}[bits]
-    return builder.and_(builder.lshr(w, _splat(_V8, bits * j)) if j else w, _splat(_V8, mask))
+    return builder.and_(builder.lshr(w, _splat(w.type, bits * j)) if j else w,
+                        _splat(w.type, mask))
 
 
 def _tree_sum(builder, values):
@@ -118,7 +139,7 @@ def _tree_sum(builder, values):
 
 
 def _reduce(builder, v):
-    return _call(builder, "llvm.vector.reduce.add.v8i32", _I32, [v])
+    return _call(builder, f"llvm.vector.reduce.add.v{v.type.count}i32", _I32, [v])
 
 
 def dot_group(bits, rows):
@@ -130,12 +151,18 @@ def dot_group(bits, rows):
     ``planes``: C-contiguous int8 ``[M, fields, >= nbytes]`` (``_vnni._planes``); ``data``:
     C-contiguous uint8 ``[N, nbytes]``; ``acc``: C-contiguous int32 ``[M, >= width]``; the sums
     run over ``niter * BLOCK_BYTES[bits]`` bytes from byte ``start``: ``sum_g sum_j
-    field_j(row[g]) * planes[m, j, g]``, for int8 weights ``sum_g (row[g] + INT8_OFFSET) *
+    field_j(row[g]) * planes[m, j, g]``, for int8 weights ``sum_g (row[g] + GEMV_INT8_OFFSET) *
     planes[m, 0, g]`` (row as int8); int32 wrap-around.
     """
     fields = 8 // bits if bits < 8 else 1
     block = BLOCK_BYTES[bits]
-    vectors = block // _BYTES
+    vec = ir.VectorType(_I32, GEMV_LANES)
+    vectors = block // GEMV_VECTOR_BYTES
+    # Independent vpdpbusd chains a row (its latency is several cycles): one per product of an
+    # iteration, at most half the vector registers over all rows (the rest hold the weight
+    # fields and activation loads; more accumulators than that spill).
+    chains = (min(fields * vectors, max(1, GEMV_REGISTERS // 2 // rows)) if GEMV_DPBUSD
+              else (2 if bits == 8 else 1))
 
     @intrinsic
     def dot(typingctx, planes, m0, data, n0, width, start, niter, acc):
@@ -163,16 +190,16 @@ def dot_group(bits, rows):
                 for j in range(fields)] for r in range(rows)]
             out = [ptr(builder, ac.data, builder.mul(a0, builder.add(args[1], const(r))), _I32)
                    for r in range(rows)]
-            chains = fields * vectors if AVX_VNNI else (2 if bits == 8 else 1)
 
             def one_row(j, _):
                 row = ptr(builder, dt.data, builder.mul(w0, builder.add(args[3], j)))
 
                 def step(it, accs):
                     start = builder.add(args[5], builder.mul(it, const(block)))
-                    offs = [builder.add(start, const(v * _BYTES)) for v in range(vectors)]
+                    offs = [builder.add(start, const(v * GEMV_VECTOR_BYTES))
+                            for v in range(vectors)]
                     new = list(accs)
-                    if bits == 8 and not AVX_VNNI:
+                    if bits == 8 and not GEMV_DPBUSD:
                         halves = [builder.add(o, const(h)) for o in offs for h in (0, 16)]
                         ws = [_sext16(builder, row, o) for o in halves]
                         for r in range(rows):
@@ -181,15 +208,15 @@ def dot_group(bits, rows):
                                 new[c] = builder.add(new[c], _madd(
                                     builder, ws[i], _sext16(builder, at[r][0], o)))
                         return new
-                    us = [[_field(builder, builder.load(ptr(builder, row, o, _V8), align=1),
+                    us = [[_field(builder, builder.load(ptr(builder, row, o, vec), align=1),
                                   bits, f) for f in range(fields)] for o in offs]
                     for r in range(rows):
                         prods = []
                         for v, o in enumerate(offs):
                             for f in range(fields):
-                                x = builder.load(ptr(builder, at[r][f], o, _V8), align=1)
-                                if AVX_VNNI:
-                                    c = r * chains + v * fields + f
+                                x = builder.load(ptr(builder, at[r][f], o, vec), align=1)
+                                if GEMV_DPBUSD:
+                                    c = r * chains + (v * fields + f) % chains
                                     new[c] = _dpbusd(builder, new[c], us[v][f], x)
                                 else:
                                     prods.append(_maddubs(builder, us[v][f], x))
@@ -198,7 +225,7 @@ def dot_group(bits, rows):
                                                  _widen(builder, _tree_sum(builder, prods)))
                     return new
 
-                accs = counted_loop(builder, intp, args[6], [_splat(_V8, 0)] * (rows * chains),
+                accs = counted_loop(builder, intp, args[6], [_splat(vec, 0)] * (rows * chains),
                                     step, "dot")
                 for r in range(rows):
                     total = _reduce(builder, _tree_sum(builder, accs[r * chains:(r + 1) * chains]))
@@ -236,17 +263,19 @@ def _tail(raw, pl, row, start, bits, offset, xs, sx, sw):
     return (np.float32(acc) * sx) * sw
 
 
-#: Output columns of one GEMV task, and the bytes of activation planes one pass over a chunk
-#: of K keeps (in L2) while it runs down those columns (16 KB chunks, for L1, measured slower:
-#: 16 rows x 4096 x 4096 ternary 6.1 against 4.3 ms on one core, the per-call overhead of the
-#: short runs).
-GEMV_COLUMNS = 64
+#: Output columns of one GEMV task (measured on a 2-core Intel Xeon with AVX-512 VNNI, BitNet 2B's
+#: 210 decode projections from DRAM, one row: 16 columns 37 ms, 8 to 64 42-45 ms, 256 40 ms; 16
+#: rows 169 against 232 ms; the 256-bit kernels there, forced, 49 against 52 and 248 against
+#: 348 ms), and the bytes of activation planes one pass over a chunk of K keeps (in L2) while it
+#: runs down those columns (16 KB chunks, for L1, measured slower: 16 rows x 4096 x 4096
+#: ternary 6.1 against 4.3 ms on one core, the per-call overhead of the short runs).
+GEMV_COLUMNS = 16
 GEMV_PLANE_BYTES = 1 << 18
 
 
 @numba.njit(parallel=True, cache=True)
 def _gemv_kernel(planes, data, bits, block, chunk, offset, xsum, scale_x, scale_w, out):
-    """out[m, n] = float32(acc) * scale_x[m] * scale_w[n] (``_vnni._gemv_kernel``'s contract).
+    """out[m, n] = float32(acc) * scale_x[m] * scale_w[n] (the contract of ``gemv``).
 
     Parallel over groups of GEMV_COLUMNS weight rows; K runs in chunks of ``chunk`` packed bytes
     (a multiple of ``block``) so that the rows' planes of one chunk stay in cache while each
@@ -301,7 +330,7 @@ def gemv(codes_x, scale_x, data, scale_w, bits, out):
     float32; out: [M, N] float32, overwritten.
     """
     per = 8 // bits if bits < 8 else 1
-    offset = INT8_OFFSET if bits == 8 else 1
+    offset = GEMV_INT8_OFFSET if bits == 8 else 1
     planes = np.empty((codes_x.shape[0], per, data.shape[1]), dtype=np.int8)
     xsum = np.empty(codes_x.shape[0], dtype=np.int32)
     _planes(codes_x, per, offset, planes, xsum)

@@ -9,30 +9,15 @@ another file would not invalidate that kernel's cache.
 
 LLVM does not form ``vpdpbusd`` (64 unsigned-by-signed byte products summed into sixteen int32
 lanes, one instruction) from a plain Numba loop, so these kernels emit it directly.
-``dot_fields(bits)`` returns a Numba intrinsic ``dot(planes, row, niter) -> int32``:
+``gemm_tile(rows)`` is the GEMM's register tile. Where the CPU lacks the instruction
+(``AVAILABLE``) the package runs the 256-bit or the portable kernels. The GEMV of few rows is
+``_avx2.py``'s, which runs on 512-bit vectors on these CPUs (``_avx2.WIDE``); ``_planes`` here
+lays out the activation codes for it and for the GEMMs.
 
-- ``row``: a contiguous uint8 row of packed weight bytes; ``planes``: a C-contiguous int8
-  ``[fields, >= len(row)]`` array of activation codes with ``planes[j, g]`` the code that meets
-  field ``j`` of byte ``g``;
-- ``bits`` 2 or 1: byte ``g`` holds ``8 // bits`` fields LSB-first; the result is
-  ``sum_g sum_j field_j(row[g]) * planes[j, g]`` over the first ``niter * BLOCK_BYTES[bits]``
-  bytes (the caller sums the tail);
-- ``bits`` 8: the row holds int8 codes and ``planes`` has one field; the result is
-  ``sum_g (row[g] + 128) * planes[0, g]`` (the sign bit flipped makes the weight the unsigned
-  operand; the caller subtracts ``128 * sum(planes[0])``).
-
-Each field keeps its own accumulator chains (``vpdpbusd`` has a latency of several cycles), and
-the lanes are reduced once at the end. ``gemm_tile(rows)`` is the GEMM's register tile. Where
-the CPU lacks the instruction (``AVAILABLE``) the package runs the portable kernels.
-
-GEMV (``gemv``, few rows): per 64 packed bytes, each 2-bit (1-bit) field is masked out in place
-and multiplied with an int8 "plane" of the activation codes, ``plane[j][g] = codes_x[per * g +
-j]``, by one ``vpdpbusd``, and the scales are applied in the same pass (measured 0.07 ms in the
-kernel, 0.10 ms a call, for 1 x 4096 x 4096 ternary; the portable loop takes 0.26 ms). With
-stored codes ``c`` (ternary ``code + 1``, sign the bit) the kernels sum ``raw = sum codes_x * c``
-and the signed result follows from the row sum of the codes: ternary ``acc = raw - sum(codes_x)``,
-sign ``acc = 2 raw - sum(codes_x)``; int8 weights become the unsigned operand with their sign bit
-flipped, ``acc = raw - 128 sum(codes_x)``.
+With stored codes ``c`` (ternary ``code + 1``, sign the bit) the kernels sum ``raw = sum codes_x
+* c`` and the signed result follows from the row sum of the codes: ternary ``acc = raw -
+sum(codes_x)``, sign ``acc = 2 raw - sum(codes_x)``; int8 weights become the unsigned operand
+with their sign bit flipped, ``acc = raw - 128 sum(codes_x)``.
 
 GEMM (``gemm``, more rows): spreads the codes of each panel of 64 output columns to one byte
 each, four consecutive K to a 32-bit word (ternary through a 256-entry table, sign a 16-entry
@@ -61,11 +46,7 @@ from ._llvm import counted_loop, host_features, is_array, ptr
 #: True when the target CPU has AVX-512 VNNI (``vpdpbusd`` on 512-bit registers).
 AVAILABLE = {"+avx512vnni", "+avx512bw"} <= host_features()
 
-#: Bytes of the packed row one iteration of each kernel's loop consumes.
-BLOCK_BYTES = {2: 128, 1: 64, 8: 256}
-
 _VEC = ir.VectorType(ir.IntType(32), 16)
-_BYTES = 64
 
 
 def _splat(value):
@@ -77,68 +58,6 @@ def _dpbusd(builder, acc, unsigned, signed):
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 3),
                                         "llvm.x86.avx512.vpdpbusd.512")
     return builder.call(fn, [acc, unsigned, signed])
-
-
-def _reduce_add(builder, vectors):
-    """int32 sum of every lane of the vectors."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), [_VEC]),
-                                        "llvm.vector.reduce.add.v16i32")
-    total = vectors[0]
-    for v in vectors[1:]:
-        total = builder.add(total, v)
-    return builder.call(fn, [total])
-
-
-def _field(builder, w, bits, j):
-    """The unsigned operand of field j of 64 packed bytes: the field masked down to the low bits
-    of each byte, or for int8 codes the bytes with their sign bit flipped."""
-    if bits == 8:
-        return builder.xor(w, _splat(0x80808080 - (1 << 32)))
-    mask = {2: 0x03030303, 1: 0x01010101}[bits]
-    return builder.and_(builder.lshr(w, _splat(bits * j)) if j else w, _splat(mask))
-
-
-def dot_fields(bits):
-    """The intrinsic for fields of ``bits`` bits (see the module docstring). The plane pointers
-    are formed once, outside the loop: formed in it, the same kernel ran 1.3x slower (measured,
-    ternary 1 x 4096 x 4096)."""
-    fields = 8 // bits if bits < 8 else 1
-    blocks = BLOCK_BYTES[bits] // _BYTES
-
-    @intrinsic
-    def dot(typingctx, planes, row, niter):
-        if not (is_array(planes, 2, (types.int8,))
-                and is_array(row, 1, (types.uint8, types.int8))):
-            return None
-        sig = types.int32(planes, row, types.intp)
-
-        def codegen(context, builder, signature, args):
-            pl = context.make_array(signature.args[0])(context, builder, args[0])
-            rw = context.make_array(signature.args[1])(context, builder, args[1])
-            intp = context.get_value_type(types.intp)
-            plane_stride = cgutils.unpack_tuple(builder, pl.strides, 2)[0]
-            planes_at = [ptr(builder, pl.data, builder.mul(plane_stride, ir.Constant(intp, j)))
-                         for j in range(fields)]
-
-            def step(it, accs):
-                start = builder.mul(it, ir.Constant(intp, BLOCK_BYTES[bits]))
-                new = []
-                for blk in range(blocks):
-                    offset = builder.add(start, ir.Constant(intp, blk * _BYTES))
-                    w = builder.load(ptr(builder, rw.data, offset, _VEC), align=1)
-                    for j in range(fields):
-                        x = builder.load(ptr(builder, planes_at[j], offset, _VEC), align=1)
-                        new.append(_dpbusd(builder, accs[blk * fields + j],
-                                           _field(builder, w, bits, j), x))
-                return new
-
-            accs = counted_loop(builder, intp, args[2], [_splat(0)] * (fields * blocks), step,
-                                 "dot")
-            return _reduce_add(builder, accs)
-
-        return sig, codegen
-
-    return dot
 
 
 #: Columns of a GEMM panel (four vectors of sixteen int32 lanes) and most rows of one tile.
@@ -211,49 +130,6 @@ def gemm_tile(rows):
     return tile
 
 
-# ---------------------------------------------------------------------------------------------
-# GEMV: one vpdpbusd per 64 bytes and field. The planes are int8, the scales are applied in the
-# same pass, and the tail bytes past the last whole block are summed in the kernel. (Four weight
-# rows per pass over the planes, each plane block loaded once for the four, measured no faster
-# for ternary and 7% for sign and int8: not kept.)
-_DOT2 = dot_fields(2)
-_DOT1 = dot_fields(1)
-_DOT8 = dot_fields(8)
-
-
-@numba.njit(parallel=True, cache=True)
-def _gemv_kernel(planes, data, bits, block, xsum, scale_x, scale_w, out):
-    """out[m, n] = float32(acc) * scale_x[m] * scale_w[n] with the exact int32 ``acc`` of the
-    codes; xsum[m] is what the stored-code offset adds to the raw sum (module docstring);
-    block: ``BLOCK_BYTES[bits]``."""
-    M = planes.shape[0]
-    N, nbytes = data.shape
-    niter = nbytes // block
-    fields = planes.shape[1]
-    mask = (1 << bits) - 1
-    stride = 1 if scale_w.shape[0] > 1 else 0
-    for n in numba.prange(N):
-        row = data[n]
-        for m in range(M):
-            pl = planes[m]
-            if bits == 2:
-                raw = _DOT2(pl, row, niter)
-            elif bits == 1:
-                raw = _DOT1(pl, row, niter)
-            else:
-                raw = _DOT8(pl, row, niter)
-            for g in range(niter * block, nbytes):
-                if bits == 8:
-                    raw += (np.int32(row[g]) + 128) * np.int32(pl[0, g])
-                else:
-                    b = np.int32(row[g])
-                    for j in range(fields):
-                        raw += ((b >> (bits * j)) & mask) * np.int32(pl[j, g])
-            # int32 wrap-around throughout: exact whenever the true sum fits in int32
-            acc = np.int32(np.int64(raw) * (2 if bits == 1 else 1) - xsum[m])
-            out[m, n] = (np.float32(acc) * scale_x[m]) * scale_w[n * stride]
-
-
 @numba.njit(cache=True)
 def _planes(codes_x, per, offset, planes, xsum):
     """planes[m, j, g] = codes_x[m, per * g + j] (zero past K); xsum[m] = offset * sum(codes_x[m]).
@@ -269,19 +145,6 @@ def _planes(codes_x, per, offset, planes, xsum):
         for k in range(K):
             total += np.int32(codes_x[m, k])
         xsum[m] = total * np.int32(offset)
-
-
-def gemv(codes_x, scale_x, data, scale_w, bits, out):
-    """out = float32(codes_x @ codes_w) * scale_x[:, None] * scale_w for few rows.
-
-    codes_x: [M, K] int8; data: packed [N, bytes] of ``bits``-bit codes; scale_w: [1] or [N]
-    float32; out: [M, N] float32, overwritten.
-    """
-    per = 8 // bits if bits < 8 else 1
-    planes = np.empty((codes_x.shape[0], per, data.shape[1]), dtype=np.int8)
-    xsum = np.empty(codes_x.shape[0], dtype=np.int32)
-    _planes(codes_x, per, 128 if bits == 8 else 1, planes, xsum)
-    _gemv_kernel(planes, data, bits, BLOCK_BYTES[bits], xsum, scale_x, scale_w, out)
 
 
 # ---------------------------------------------------------------------------------------------
