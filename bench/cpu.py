@@ -58,17 +58,17 @@ def kernels() -> dict:
     from lowbit.ops.gated_delta_scan import _numba_chunked
     from lowbit.ops.lowrank_residual import _numba as lowrank
     from lowbit.ops.packed_matmul import _numba as pm
-    from lowbit.ops.packed_matmul._numba import _avx2, _fma, _mkl
+    from lowbit.ops.packed_matmul._numba import _avx2, _mkl
     from lowbit.ops.segmented_attention import _numba as attention
 
     integer = ("avx512-vnni" if pm.USE_VNNI else
                ("avx-vnni" if _avx2.AVX_VNNI else "avx2") if pm.USE_AVX2 else None)
-    fma = "avx512-fma tiles" if _fma.AVAILABLE else "BLAS"
+    fma = "avx512-fma tiles" if pm.USE_FMA else "numpy's BLAS"
     mkl = "onemkl amx" if pm.USE_MKL else None
     return {
         "packed_matmul gemv (<= 16 rows)": integer or "portable gemv",
         "packed_matmul gemm": mkl or integer or "portable float64-BLAS gemm",
-        "packed_matmul dx": fma if _fma.AVAILABLE else "BLAS on decoded float32 tiles",
+        "packed_matmul dx": fma if pm.USE_FMA else "numpy's BLAS on decoded float32 tiles",
         "packed_matmul dx, int8 gradients": mkl or integer or "float64 BLAS",
         "packed_matmul dw": fma,
         "segmented_attention": "avx512-fma tiles" if attention.USE_FMA else "BLAS",

@@ -208,6 +208,44 @@ def _blas_thread_controls() -> tuple[tuple[Callable[[], int], Callable[[int], No
     return tuple(controls)
 
 
+@functools.lru_cache(maxsize=None)
+def numpy_blas_kernel() -> str | None:
+    """The kernel family NumPy's BLAS runs on this CPU: OpenBLAS's core name as it reports it
+    (``openblas_get_corename``: "Haswell", "SkylakeX", "Zen", ...; what ``threadpoolctl``
+    reports as its architecture, ``OPENBLAS_CORETYPE`` included), "mkl" for oneMKL, None where
+    it cannot be told (another BLAS, or no ``/proc/self/maps``)."""
+    try:
+        name = str(np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"]).lower()
+    except Exception:  # NumPy before 1.25, or a build without that record
+        return None
+    if "mkl" in name:
+        return "mkl"
+    if "openblas" not in name:
+        return None
+    home = os.path.dirname(os.path.dirname(np.__file__))
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
+    except OSError:
+        return None
+    # NumPy's own copy (numpy.libs/ of a wheel) before any other OpenBLAS of the process
+    for path in sorted(paths, key=lambda p: "numpy" not in p[len(home):]):
+        if not os.path.isfile(path):
+            continue
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix in ("scipy_", ""):
+            for suffix in ("64_", ""):
+                get = getattr(lib, f"{prefix}openblas_get_corename{suffix}", None)
+                if get is not None:
+                    get.restype = ctypes.c_char_p
+                    core = get()
+                    return core.decode() if core else None
+    return None
+
+
 def read_only(*arrays: np.ndarray) -> Any:
     """Read-only views of host arrays, for the Numba kernels that only read them.
 

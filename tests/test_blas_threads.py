@@ -106,3 +106,42 @@ def test_many_threads_leave_the_original_counts(blas):
         t.join(60)
     assert not errors, errors
     assert [f.threads for f in blas] == [4, 8]
+
+
+_KERNEL = """
+import numpy as np, threadpoolctl
+from lowbit import _backend
+from lowbit.ops.packed_matmul import _numba
+home = np.__file__.rsplit("numpy", 1)[0]
+ours = [i for i in threadpoolctl.threadpool_info()
+        if i["internal_api"] == "openblas" and "numpy" in i["filepath"][len(home):]]
+print(_backend.numpy_blas_kernel(), ours[0]["architecture"] if ours else None, _numba.USE_FMA,
+      _numba._fma.AVAILABLE)
+"""
+
+
+@pytest.mark.parametrize("coretype", [None, "Haswell"])
+def test_numpy_blas_kernel_is_what_openblas_reports(tmp_path, coretype):
+    """``numpy_blas_kernel`` names the core type NumPy's OpenBLAS runs, as ``threadpoolctl``
+    reports it, ``OPENBLAS_CORETYPE`` included, and the straight-through backward takes the
+    AVX-512 tiles exactly where that kernel is not a 512-bit one (``_numba.USE_FMA``)."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    pytest.importorskip("threadpoolctl")
+    if "openblas" not in str(np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"]):
+        pytest.skip("NumPy's BLAS is not OpenBLAS")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENBLAS_")}
+    if coretype:
+        env["OPENBLAS_CORETYPE"] = coretype
+    out = subprocess.run([sys.executable, "-c", _KERNEL], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    kernel, reported, use_fma, avx512 = out
+    assert reported != "None" and kernel == reported
+    if coretype:
+        assert kernel.lower() == coretype.lower()
+    assert use_fma == str(avx512 == "True" and kernel.lower() not in
+                          {"skylakex", "cooperlake", "sapphirerapids"})

@@ -215,10 +215,14 @@ def test_linear_matches_reference(backend, rng, weight_format, act_format, M, K,
 
 
 @pytest.mark.parametrize("weight_format", FORMATS)
-def test_backward_tiles_at_their_edges(backend, rng, weight_format):
+def test_backward_tiles_at_their_edges(monkeypatch, backend, rng, weight_format):
     """Shapes around the numba AVX-512 tiles of dx and dw (6 rows, 64 columns, 256 reduction
-    steps a panel block): 9 and 13 rows, K and N across 64 and past 256, M past one dw block; dw
-    from codes and from float activations."""
+    steps a panel block), which run here wherever the CPU has AVX-512 (whatever ``USE_FMA``
+    chose from NumPy's BLAS): 9 and 13 rows, K and N across 64 and past 256, M past one dw
+    block; dw from codes and from float activations."""
+    from lowbit.ops.packed_matmul import _numba
+
+    monkeypatch.setattr(_numba, "USE_FMA", _numba._fma.AVAILABLE)
     cases = ([(9, 45, 11)] if backend.name == "cudasim"
              else [(9, 1, 1), (9, 65, 257), (257, 7, 65)])
     for M, K, N in cases:
@@ -237,11 +241,12 @@ def test_backward_tiles_at_their_edges(backend, rng, weight_format):
 
 @pytest.mark.parametrize("act_format", ["int8", None])
 def test_numba_dw_from_transposed_activations(monkeypatch, rng, act_format):
-    """numba's dw tiles on activations transposed first (what large ones get), at the edges of the
-    tiles and past one reduction block."""
+    """numba's dw tiles (where the CPU has AVX-512) on activations transposed first (what large
+    ones get), at the edges of the tiles and past one reduction block."""
     from lowbit.ops.packed_matmul import _numba
 
     monkeypatch.setattr(_numba, "DW_TRANSPOSE_MIN", 1)
+    monkeypatch.setattr(_numba, "USE_FMA", _numba._fma.AVAILABLE)
     for M, K, N in [(9, 65, 70), (257, 7, 65)]:
         x, w = _data(rng, M, K, N)
         dy = rng.standard_normal((M, N)).astype(np.float32)
@@ -257,9 +262,8 @@ def test_numba_backward_without_avx512(monkeypatch, rng, weight_format):
     """The numba backward where the CPU has neither AVX-512 kernel family: BLAS on decoded tiles
     (exact gradients) and float64 BLAS on the codes (int8 gradients)."""
     from lowbit.ops.packed_matmul import _numba
-    from lowbit.ops.packed_matmul._numba import _fma
 
-    monkeypatch.setattr(_fma, "AVAILABLE", False)
+    monkeypatch.setattr(_numba, "USE_FMA", False)
     monkeypatch.setattr(_numba, "USE_VNNI", False)
     monkeypatch.setattr(_numba, "USE_AVX2", False)
     x, w = _data(rng, 9, 70, 67)

@@ -90,13 +90,13 @@ def test_quantize_activation_equals_reference(lead, K, format, dtype, layout, co
 def _portable(active):
     """Turn off the numba backend's AVX-512 kernels (VNNI GEMV/GEMM, FMA dx) inside the block, so
     that the portable GEMV, the float64-field BLAS GEMM and the tiled dx run on this CPU too."""
-    saved = pm_numba.USE_VNNI, pm_numba._fma.AVAILABLE
+    saved = pm_numba.USE_VNNI, pm_numba.USE_FMA
     if active:
-        pm_numba.USE_VNNI, pm_numba._fma.AVAILABLE = False, False
+        pm_numba.USE_VNNI, pm_numba.USE_FMA = False, False
     try:
         yield
     finally:
-        pm_numba.USE_VNNI, pm_numba._fma.AVAILABLE = saved
+        pm_numba.USE_VNNI, pm_numba.USE_FMA = saved
 
 
 @given(M=ROWS, K=K_DIMS, N=N_DIMS, format=st.sampled_from(FORMATS),

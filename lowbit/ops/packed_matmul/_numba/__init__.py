@@ -15,7 +15,8 @@ this package:
 - ``_mkl.py``: oneMKL's ``cblas_gemm_s8u8s32`` (AMX int8 tiles) for the GEMM and the dx of
   int8 gradients, through ctypes (used where ``USE_MKL``: AMX and the ``mkl`` extra);
 - ``_fma.py``: AVX-512 float32 register-tile GEMMs of the exact backward, ``dx`` decoding the
-  packed codes into its panels and ``dw`` (used wherever ``_fma.AVAILABLE``);
+  packed codes into its panels and ``dw`` (used where ``USE_FMA``: the CPU has AVX-512 and
+  NumPy's BLAS does not run 512-bit kernels of its own);
 - ``_llvm.py``: the IR helpers both files' intrinsics are emitted with;
 - ``_gemv.py``: the portable GEMV over packed bytes (few rows, no VNNI, no AVX2);
 - ``_gemm_f64.py``: the portable GEMM, exact integer products in float64 BLAS with three weight
@@ -65,6 +66,16 @@ VNNI_GEMV_MAX_ROWS = 16
 USE_AVX2 = _avx2.AVAILABLE
 #: Rows at or below which the AVX2 GEMV runs instead of its GEMM.
 AVX2_GEMV_MAX_ROWS = 16
+#: NumPy BLAS kernels (``_backend.numpy_blas_kernel``, lower case) whose float32 GEMM runs on
+#: 512-bit vectors: OpenBLAS's AVX-512 core types, and oneMKL.
+AVX512_BLAS = frozenset({"skylakex", "cooperlake", "sapphirerapids", "mkl"})
+#: Whether the exact backward's float32 products (``matmul_dx`` above ``GEMV_MAX_ROWS`` rows,
+#: ``matmul_dw``) run the AVX-512 tiles of ``_fma.py``; else NumPy's BLAS on decoded float32
+#: tiles. A measured rule: the tiles beat a BLAS on 256-bit kernels (one core of a 2-core EPYC
+#: Zen 5, OpenBLAS on its Haswell kernels, 256 x 4096 x 4096: sgemm 69 ms, dx 39 ms) and lose to
+#: one on 512-bit kernels (2-core Intel Xeon, OpenBLAS SkylakeX, the whole straight-through
+#: backward: tiles 137-155 ms, BLAS 98-124 ms, in alternation).
+USE_FMA = _fma.AVAILABLE and (_backend.numpy_blas_kernel() or "").lower() not in AVX512_BLAS
 #: Activation elements (M * K) from which ``matmul_dw`` transposes them for the AVX-512 tiles:
 #: read down the columns of a large A the tiles' loads conflict in L1 (one core, M = 256,
 #: K = N = 4096: dw 42 ms, transposed 36 + 2 ms), while for a small one the transpose costs more
@@ -124,14 +135,15 @@ def matmul_dx(dy, data, scale_w, format, K):
     """dy: [M, N] float32 -> dx [M, K] float32 ``dy @ (codes_w * scale_w).T``.
 
     Few rows: the transposed GEMV kernel over packed bytes. More rows: the AVX-512 float32 tiles
-    of ``_fma.py`` decoding the codes on the fly, or (no AVX-512) decoded float32 tiles and BLAS.
+    of ``_fma.py`` decoding the codes on the fly (``USE_FMA``), or decoded float32 tiles and
+    NumPy's BLAS.
     A per-tensor scale (ternary, sign) multiplies once at the end.
     """
     M, N = dy.shape
     dx = _backend.empty((M, K), np.float32)
     per_tensor = scale_w.ndim == 0
     g = dy if per_tensor else np.ascontiguousarray(dy * scale_w, dtype=np.float32)
-    if M > GEMV_MAX_ROWS and _fma.AVAILABLE:
+    if M > GEMV_MAX_ROWS and USE_FMA:
         scale = np.float32(scale_w if per_tensor else 1)
         _fma.dx_kernel(*_backend.read_only(g, data), _BITS[format], K, scale, _fma.KC, dx)
         return dx
@@ -162,15 +174,15 @@ def matmul_dx_int(dy_codes, dy_scale, data, scale, format, K):
 
 
 def matmul_dw(dy, a, scale_a):
-    """dw [K, N] float32 = ``Qa(x).T @ dy``: the AVX-512 float32 tiles of ``_fma.py`` (or BLAS)
-    on the dequantized activations.
+    """dw [K, N] float32 = ``Qa(x).T @ dy``: the AVX-512 float32 tiles of ``_fma.py``
+    (``USE_FMA``) or NumPy's BLAS on the dequantized activations.
 
     Args:
         a: [M, K] int8 codes (with ``scale_a`` [M] float32) or float32 activations (``scale_a``
             None); dy: [M, N] float32.
     """
     dw = _backend.empty((a.shape[1], dy.shape[1]), np.float32)
-    if not _fma.AVAILABLE:
+    if not USE_FMA:
         if scale_a is not None:
             a = _backward.dequantize_rows(a, scale_a)
         np.matmul(a.T, dy, out=dw)
