@@ -1,5 +1,5 @@
 """``python -m bench [SUITE ...] [--quick | --long] [--gpu] [--backend NAME] [--plot FILE.png]
-[--check] [--results DIR]``.
+[--cpu-target haswell | alderlake] [--check] [--results DIR]``.
 
 With no suite named it runs the main job: the BDH language model trained from the same initial
 parameters on the same batches under fp32 and low-bit configurations (``bench/train.py``: losses,
@@ -11,13 +11,17 @@ layer-level saved-activation policy table). Suites: one module each in ``bench/`
 
 ``--gpu`` (cupy arrays) and ``--backend`` apply to every suite and to the training; a flag the
 run would not use is refused (exit 2), and ``--check`` makes the exit status 1 when a target is
-missed (without it, a missed target is reported and the exit status stays 0).
+missed (without it, a missed target is reported and the exit status stays 0). ``--cpu-target``
+reruns the command in a subprocess whose Numba compiles for another CPU (``bench/cpu.py``'s
+``TARGETS``: the AVX2 laptop, Alder Lake's AVX-VNNI) with OpenBLAS on its Haswell kernels, so
+the kernels of those CPUs are timed on any host that can execute them.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 
@@ -63,6 +67,11 @@ def parser() -> argparse.ArgumentParser:
                    help="main job / train: the longer training run of bench/train.py")
     p.add_argument("--distributed", action="store_true",
                    help="train only: data-parallel under mpiexec (bench/train_distributed.py)")
+    p.add_argument("--cpu-target", choices=("haswell", "alderlake"), default=None,
+                   help="run in a subprocess with Numba compiling for this CPU (haswell: AVX2 "
+                        "only, as most laptops; alderlake: AVX2 and AVX-VNNI), its own Numba "
+                        "cache, and OpenBLAS on its Haswell kernels; the host must be able to "
+                        "execute them")
     p.add_argument("--check", action="store_true",
                    help="exit status 1 when a target is missed (default: reported, exit 0)")
     return p
@@ -80,6 +89,14 @@ def _refuse_unused(p: argparse.ArgumentParser, args) -> None:
             p.error(f"{flag} applies to the training comparison, not to train --distributed")
     if args.distributed and args.suites != ["train"]:
         p.error("--distributed applies to train alone: python -m bench train --distributed")
+    if args.cpu_target and args.gpu:
+        p.error("--cpu-target forces the CPU kernels; --gpu runs on the GPU: choose one")
+    if args.cpu_target:
+        from .cpu import target_refusal
+
+        reason = target_refusal(args.cpu_target)
+        if reason:
+            p.error(f"--cpu-target {args.cpu_target}: {reason}")
     if args.distributed and args.gpu:
         p.error("train --distributed runs on numpy arrays; --gpu is not supported there")
     if args.gpu and args.backend not in (None, "cuda"):
@@ -97,6 +114,8 @@ def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
     _refuse_unused(p, args)
+    if args.cpu_target:
+        return _run_on_target(args.cpu_target, sys.argv[1:] if argv is None else list(argv))
     _import_torch_first()
     config = _harness.Config(quick=args.quick, gpu=args.gpu, backend=args.backend)
     print(f"threads: {_harness.threads()}", flush=True)
@@ -125,6 +144,22 @@ def main(argv=None) -> int:
         _progress(f"{len(missed)} target(s) missed: {'; '.join(missed)}" +
                   ("" if args.check else " (exit status 0: --check makes it 1)"))
     return 1 if args.check and missed else 0
+
+
+def _run_on_target(target: str, argv: list) -> int:
+    """The same command without ``--cpu-target`` in a subprocess that compiles for ``target``
+    (``bench/cpu.py``'s ``target_env``); every result file records that target and the
+    environment (``metadata.cpu_facts``)."""
+    import subprocess
+
+    from .cpu import target_env
+
+    rest = [a for i, a in enumerate(argv) if a != "--cpu-target" and not a.startswith(
+        "--cpu-target=") and (i == 0 or argv[i - 1] != "--cpu-target")]
+    env = target_env(target, os.environ)
+    print(f"--cpu-target {target}: NUMBA_CPU_NAME={target}, NUMBA_CACHE_DIR="
+          f"{env['NUMBA_CACHE_DIR']}, OPENBLAS_CORETYPE=Haswell", flush=True)
+    return subprocess.call([sys.executable, "-m", "bench", *rest], env=env)
 
 
 def _import_torch_first():

@@ -19,9 +19,26 @@ from ._harness import Case, Config
 
 SUITE = "cpu"
 
+#: Numba targets ``python -m bench --cpu-target`` (and ``tests/test_packed_matmul_targets.py``)
+#: force: LLVM's feature list of ``-mcpu=haswell`` (x86-64-v3 with the Ivy Bridge and Haswell
+#: extras: the AVX2-only laptop) with AVX-512 and AVX-VNNI explicitly off, and Alder Lake (no
+#: AVX-512: Haswell's features plus the ones the integer kernels care about, AVX-VNNI among them).
+_HASWELL = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+crc32,+cx16,+cx8,+f16c,+fma,+fsgsbase,+fxsr,"
+            "+invpcid,+lzcnt,+mmx,+movbe,+pclmul,+popcnt,+rdrnd,+sahf,+sse,+sse2,+sse3,+sse4.1,"
+            "+sse4.2,+ssse3,+xsave,+xsaveopt,-avx512f,-avx512bw,-avx512vl,-avx512vnni,-avxvnni")
+TARGETS = {
+    "haswell": _HASWELL,
+    "alderlake": (_HASWELL.replace(",-avxvnni", "")
+                  + ",+adx,+aes,+clflushopt,+clwb,+gfni,+pku,+prfchw,+rdpid,+rdseed,+sha,+vaes,"
+                    "+vpclmulqdq,+xsavec,+xsaves,+avxvnni"),
+}
+#: /proc/cpuinfo flags a host needs to execute each target's kernels.
+TARGET_NEEDS = {"haswell": ("avx2", "fma", "bmi2"), "alderlake": ("avx2", "fma", "bmi2",
+                                                                   "avx_vnni")}
+
 #: /proc/cpuinfo flags that decide a kernel.
-FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8",
-         "amx_bf16")
+FLAGS = ("avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni",
+         "amx_int8", "amx_bf16")
 
 
 def _cpu_flags() -> dict:
@@ -34,6 +51,24 @@ def _cpu_flags() -> dict:
     except OSError:
         pass
     return {}
+
+
+def target_env(target: str, environ: dict) -> dict:
+    """``environ`` with Numba compiling for ``target`` (its own cache folder beside the host's,
+    under the temporary directory) and OpenBLAS on its Haswell kernels, as on that CPU."""
+    import tempfile
+
+    cache = os.path.join(tempfile.gettempdir(), f"lowbit-numba-cache-{target}")
+    return dict(environ, NUMBA_CPU_NAME=target, NUMBA_CPU_FEATURES=TARGETS[target],
+                NUMBA_CACHE_DIR=cache, OPENBLAS_CORETYPE="Haswell")
+
+
+def target_refusal(target: str) -> str | None:
+    """Why this host cannot execute ``target``'s kernels (None: it can)."""
+    flags = _cpu_flags()
+    missing = [f for f in TARGET_NEEDS[target] if not flags.get(f)]
+    return (f"this CPU lacks {', '.join(missing)}: {target}'s kernels cannot run here"
+            if missing else None)
 
 
 def _blas() -> list[dict]:

@@ -83,11 +83,40 @@ def test_an_unknown_backend_is_refused(capsys, no_work):
     (["train", "--distributed", "--gpu"], "--gpu is not supported there"),
     (["--gpu", "--backend", "numba"], "drop --backend or use --backend cuda"),
     (["pack_bits", "--backend", "cuda"], "--backend cuda runs on cupy arrays: add --gpu"),
+    (["cpu", "--cpu-target", "haswell", "--gpu"], "--cpu-target forces the CPU kernels"),
 ])
 def test_a_flag_that_is_not_used_is_refused(argv, message, capsys, no_work):
     code, _, err = _exit(argv, capsys)
     assert code == 2, err
     assert message in err
+
+
+def test_a_cpu_target_the_host_cannot_execute_is_refused(capsys, monkeypatch, no_work):
+    from bench import cpu
+
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: {"avx2": True, "fma": True, "bmi2": True})
+    code, _, err = _exit(["cpu", "--cpu-target", "alderlake"], capsys)
+    assert code == 2 and "this CPU lacks avx_vnni" in err
+
+
+def test_a_forced_cpu_target_runs_and_is_recorded(tmp_path):
+    """``--cpu-target haswell`` reruns the command in a process compiling for Haswell, with
+    OpenBLAS on its Haswell kernels: the kernels it reports are the AVX2 ones, and the result
+    file records the target and the environment."""
+    from bench import cpu
+
+    if cpu.target_refusal("haswell"):
+        pytest.skip(cpu.target_refusal("haswell"))
+    proc = subprocess.run([sys.executable, "-m", "bench", "cpu", "--cpu-target", "haswell",
+                           "--results", str(tmp_path)], cwd=_harness.REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    facts = json.loads((tmp_path / "cpu.json").read_text())["metadata"]["cpu_facts"]
+    assert facts["numba_target"] == "haswell"
+    assert facts["env"]["NUMBA_CPU_FEATURES"] == cpu.TARGETS["haswell"]
+    assert facts["env"]["OPENBLAS_CORETYPE"] == "Haswell"
+    assert facts["kernels"]["packed_matmul gemv (<= 16 rows)"] == "avx2"
+    assert facts["kernels"]["packed_matmul dw"] == "numpy's BLAS"
 
 
 def test_gpu_without_cupy_or_a_device_fails_early(capsys, monkeypatch, no_work):

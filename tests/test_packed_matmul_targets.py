@@ -18,22 +18,22 @@ import os
 import subprocess
 import sys
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from lowbit.reference.packed_matmul import packed_matmul_ref
-from lowbit.reference.quantize import (quantize_activation_ref, quantize_weight_ref,
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
+
+from bench.cpu import TARGETS  # noqa: E402  (the forced targets ``python -m bench`` offers)
+from lowbit.reference.packed_matmul import packed_matmul_ref  # noqa: E402
+from lowbit.reference.quantize import (quantize_activation_ref, quantize_weight_ref,  # noqa: E402
                                        unpack_weight_ref)
 
-#: LLVM's feature list of ``-mcpu=haswell`` (x86-64-v3 with the Ivy Bridge and Haswell extras),
-#: AVX-512 and AVX-VNNI explicitly off.
-HASWELL = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+crc32,+cx16,+cx8,+f16c,+fma,+fsgsbase,+fxsr,"
-           "+invpcid,+lzcnt,+mmx,+movbe,+pclmul,+popcnt,+rdrnd,+sahf,+sse,+sse2,+sse3,+sse4.1,"
-           "+sse4.2,+ssse3,+xsave,+xsaveopt,-avx512f,-avx512bw,-avx512vl,-avx512vnni,-avxvnni")
-#: Alder Lake (no AVX-512): Haswell's features plus the ones the integer kernels care about.
-ALDERLAKE = (HASWELL.replace(",-avxvnni", "")
-             + ",+adx,+aes,+clflushopt,+clwb,+gfni,+pku,+prfchw,+rdpid,+rdseed,+sha,+vaes,"
-               "+vpclmulqdq,+xsavec,+xsaves,+avxvnni")
+HASWELL, ALDERLAKE = TARGETS["haswell"], TARGETS["alderlake"]
+
 FORMATS = ("ternary", "sign", "int8")
 # (M, K, N): GEMV rows 1 and 3 (one 4-row group and a remainder), 16 (the GEMV's largest),
 # GEMM 17 and 100 (6-row tiles and a remainder; partial 16- and 64-column panels); K around the

@@ -36,7 +36,8 @@ very different lengths would otherwise leave threads idle under Numba's static c
 BLAS is held at one thread during a call (``lowbit._backend.single_threaded_blas``) because the
 items already occupy every core.
 
-Siblings: ``_numba_softmax.py`` (the masked softmax steps these kernels call), ``_numpy.py``,
+Siblings: ``_numba_softmax.py`` (the masked softmax steps these kernels call; on the AVX-512
+path their zmm versions in ``_numba_exp.py``), ``_numpy.py``,
 ``_cuda.py``; reference ``reference/segmented_attention.py``.
 """
 
@@ -45,12 +46,13 @@ import numba
 import numpy as np
 
 from ... import _backend
-from ..packed_matmul._numba import _fma
-from . import _numba_decode
+from ..packed_matmul._numba import _fma, _llvm
+from . import _numba_decode, _numba_exp
 from ._numba_softmax import _column_max, _exp_columns, _probabilities_and_dscores
 
-# The AVX-512 kernels call the tiles of ``_fma.py``, which Numba's cache does not key on.
-_backend.numba_cache_guard(__file__, _fma.__file__)
+# The AVX-512 kernels call the tiles of ``_fma.py`` and the intrinsics of ``_numba_exp.py`` built
+# with ``_llvm.py``'s helpers, which Numba's cache does not key on.
+_backend.numba_cache_guard(__file__, _fma.__file__, _llvm.__file__)
 
 #: Whether float32 runs the AVX-512 register tiles of ``_fma.py`` (else BLAS, as float64 does).
 USE_FMA = _fma.AVAILABLE
@@ -288,7 +290,7 @@ def _forward_fma(q, kt, vp, items, order, slots, scale, causal, group, out, lse)
                     alpha[r] = _rescale(alpha[r], m[r])
                     den[r] *= alpha[r]
                     acc[r] *= alpha[r]
-                _exp_columns(block, m, den, q0 + shift - k0, causal)
+                _numba_exp.exp_columns(block, m, den, q0 + shift - k0, causal)
                 # out's rows are the query lanes: A = block^T, read down its columns.
                 _accumulate(acc, block, wide, 1, wide, k1 - k0, vp[g], k0)
             _finish(acc, m, den, rows, q0, h, out, lse)
@@ -343,8 +345,8 @@ def _backward_fma(dout, q, kt, vt, kp, out, lse, items, order, slots, scale, cau
                     ds = _matrix(dscores, cols, rows)
                     _scores(kb, cols, qt, r0 // lanes, p)
                     _scores(vb, cols, dot, r0 // lanes, ds)
-                    _probabilities_and_dscores(p, ds, lse_row[r0:r1], delta[r0:r1],
-                                               s0 + r0 + shift - k0, causal)
+                    _numba_exp.probabilities_and_dscores(p, ds, lse_row[r0:r1], delta[r0:r1],
+                                                         s0 + r0 + shift - k0, causal)
                     _accumulate(dv_acc, p, cols, rows, 1, rows, dop, r0)
                     _accumulate(dk_acc, ds, cols, rows, 1, rows, qp, r0)
                     # dq's rows are the query lanes: A = dS^T, read down the columns of ds.
