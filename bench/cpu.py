@@ -7,8 +7,9 @@ it (library, version, the kernel family OpenBLAS picked: its ``architecture``) a
 ``OPENBLAS_CORETYPE`` / ``OPENBLAS_L2_SIZE`` are set (both put OpenBLAS on other kernels), then
 one row per op with the family that runs it. ``facts()`` is the same dictionary that
 ``bench/_harness.metadata`` stores in every result file. The choices themselves live with the
-kernels: ``lowbit/ops/packed_matmul/_numba/__init__.py`` (``USE_VNNI``, ``USE_AVX2``),
-``_fma.AVAILABLE``, each op's ``USE_FMA``; ``docs/backends.rst`` describes them.
+kernels: ``lowbit/ops/packed_matmul/_numba/__init__.py`` (``USE_VNNI``, ``USE_AVX2``,
+``USE_FMA``: ``_fma.AVAILABLE`` and NumPy's BLAS kernel), each op's ``USE_FMA``;
+``docs/backends.rst`` describes them.
 """
 
 from __future__ import annotations

@@ -179,32 +179,40 @@ def numba_cache_guard(package_file: str, *owners: str) -> None:
                 return
 
 
-@functools.lru_cache(maxsize=None)
-def _blas_thread_controls() -> tuple[tuple[Callable[[], int], Callable[[int], None]], ...]:
-    """(get, set) ctypes pairs of every OpenBLAS loaded in this process (Linux; else none)."""
-    controls: list[tuple[Callable[[], int], Callable[[int], None]]] = []
+def _openblas_functions(name: str) -> list[tuple[str, Any]]:
+    """(path, function ``name``) of every OpenBLAS loaded in this process that exports it under
+    one of its builds' prefixes and suffixes (SciPy's and NumPy's wheels: ``scipy_``, ``64_``),
+    in path order; none where there is no ``/proc/self/maps`` (Linux only)."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
     except OSError:
-        return ()
+        return []
+    found = []
     for path in sorted(p for p in paths if os.path.isfile(p)):
         try:
             lib = ctypes.CDLL(path)
         except OSError:
             continue
-        for prefix in ("scipy_", ""):
-            for suffix in ("", "64_"):
-                getter = getattr(lib, f"{prefix}openblas_get_num_threads{suffix}", None)
-                setter = getattr(lib, f"{prefix}openblas_set_num_threads{suffix}", None)
-                if getter is not None and setter is not None:
-                    getter.restype = ctypes.c_int
-                    setter.argtypes = (ctypes.c_int,)
-                    controls.append((getter, setter))
-                    break
-            else:
-                continue
-            break
+        for symbol in (f"{prefix}{name}{suffix}" for prefix in ("scipy_", "")
+                       for suffix in ("", "64_")):
+            function = getattr(lib, symbol, None)
+            if function is not None:
+                found.append((path, function))
+                break
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def _blas_thread_controls() -> tuple[tuple[Callable[[], int], Callable[[int], None]], ...]:
+    """(get, set) ctypes pairs of every OpenBLAS loaded in this process (Linux; else none)."""
+    setters = dict(_openblas_functions("openblas_set_num_threads"))
+    controls: list[tuple[Callable[[], int], Callable[[int], None]]] = []
+    for path, getter in _openblas_functions("openblas_get_num_threads"):
+        if path in setters:
+            getter.restype = ctypes.c_int
+            setters[path].argtypes = (ctypes.c_int,)
+            controls.append((getter, setters[path]))
     return tuple(controls)
 
 
@@ -223,26 +231,12 @@ def numpy_blas_kernel() -> str | None:
     if "openblas" not in name:
         return None
     home = os.path.dirname(os.path.dirname(np.__file__))
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
-    except OSError:
-        return None
     # NumPy's own copy (numpy.libs/ of a wheel) before any other OpenBLAS of the process
-    for path in sorted(paths, key=lambda p: "numpy" not in p[len(home):]):
-        if not os.path.isfile(path):
-            continue
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for prefix in ("scipy_", ""):
-            for suffix in ("64_", ""):
-                get = getattr(lib, f"{prefix}openblas_get_corename{suffix}", None)
-                if get is not None:
-                    get.restype = ctypes.c_char_p
-                    core = get()
-                    return core.decode() if core else None
+    for _, get in sorted(_openblas_functions("openblas_get_corename"),
+                         key=lambda found: "numpy" not in found[0][len(home):]):
+        get.restype = ctypes.c_char_p
+        core = get()
+        return core.decode() if core else None
     return None
 
 

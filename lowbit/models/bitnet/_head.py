@@ -119,18 +119,18 @@ def _dot_intrinsic(dtype: str):
 
 
 def _gemv_ready(dtype: str) -> bool:
-    """Whether numba's GEMV runs for a head of ``dtype``: compiled code (intrinsics do not exist
-    under ``NUMBA_DISABLE_JIT``) and, for float16, a CPU that widens half floats in hardware
-    (x86 F16C, every 64-bit ARM CPU); else the blocked BLAS path."""
+    """Whether numba's GEMV runs for a head of ``dtype``: compiled code whose target is known
+    (``_llvm.host_features`` is empty under ``NUMBA_DISABLE_JIT``, where intrinsics do not
+    exist) and, for float16, a CPU that widens half floats in hardware (x86 F16C, every 64-bit
+    ARM CPU); else the blocked BLAS path."""
     import platform
-
-    import numba
 
     from ...ops.packed_matmul._numba import _llvm
 
-    if numba.config.DISABLE_JIT:
+    features = _llvm.host_features()
+    if not features:
         return False
-    return dtype != "float16" or ("+f16c" in _llvm.host_features()
+    return dtype != "float16" or ("+f16c" in features
                                   or platform.machine().lower() in ("aarch64", "arm64"))
 
 
