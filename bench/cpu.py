@@ -102,7 +102,7 @@ def kernels() -> dict:
     fma = "avx512-fma tiles" if pm.USE_FMA else "numpy's BLAS"
     mkl = "onemkl amx" if pm.USE_MKL else None
     return {
-        "packed_matmul gemv (<= 16 rows)": integer or "portable gemv",
+        "packed_matmul gemv (<= 32 rows)": integer or "portable gemv",
         "packed_matmul gemm": mkl or integer or "portable float64-BLAS gemm",
         "packed_matmul dx": fma if pm.USE_FMA else "numpy's BLAS on decoded float32 tiles",
         "packed_matmul dx, int8 gradients": mkl or integer or "float64 BLAS",

@@ -115,7 +115,7 @@ def test_a_forced_cpu_target_runs_and_is_recorded(tmp_path):
     assert facts["numba_target"] == "haswell"
     assert facts["env"]["NUMBA_CPU_FEATURES"] == cpu.TARGETS["haswell"]
     assert facts["env"]["OPENBLAS_CORETYPE"] == "Haswell"
-    assert facts["kernels"]["packed_matmul gemv (<= 16 rows)"] == "avx2"
+    assert facts["kernels"]["packed_matmul gemv (<= 32 rows)"] == "avx2"
     assert facts["kernels"]["packed_matmul dw"] == "numpy's BLAS"
 
 
@@ -254,7 +254,7 @@ def _check_cpu_facts(facts):
 
         family = {"vnni": "avx512-vnni", "avxvnni": "avx-vnni", "avx2": "avx2",
                   "portable": "portable gemv"}[matmul._kernel(None)]
-        assert facts["kernels"]["packed_matmul gemv (<= 16 rows)"] == family
+        assert facts["kernels"]["packed_matmul gemv (<= 32 rows)"] == family
 
 
 def test_write_json_records_what_produced_it(tmp_path):

@@ -109,18 +109,18 @@ KERNELS = ["vnni", "avx2", "portable"]
 @pytest.mark.parametrize("name,kernel", [("numpy", None)] + [("numba", k) for k in KERNELS],
                          ids=["numpy"] + [f"numba-{k}" for k in KERNELS])
 def test_gemm_rows_of_mixed_magnitude(monkeypatch, name, kernel, rng, format, saturated):
-    """GEMM rows (M = 20, past both GEMV thresholds) with one row of largest codes, over all of K
+    """GEMM rows (M = 38, past both GEMV thresholds) with one row of largest codes, over all of K
     or its second half only.
 
     The portable numba GEMM plans its exact float64 fields from the row L1 norms of the
     activation codes per K chunk: typical rows fit one chunk over K, a saturated row forces
     shorter chunks or fewer fields. N = 3 p + 1 and 3 p + 2 leave a partly filled field group
-    (N = 1: one column only). The VNNI GEMM sees M = 20 = three whole 6-row tiles and a
+    (N = 1: one column only). The VNNI GEMM sees M = 38 = six whole 6-row tiles and a
     2-row one, and a partial 64-column panel; K = 2499 is not a multiple of 4.
     """
     if kernel is not None:
         use_kernel(monkeypatch, kernel)
-    M, K = 20, 2499
+    M, K = 38, 2499
     for N in (1, 2, 7, 8, 9):
         x = rng.standard_normal((M, K)).astype(np.float32)
         if saturated == "all":
@@ -149,7 +149,7 @@ def test_numba_gemv_kernels(monkeypatch, rng, format, kernel):
     """
     use_kernel(monkeypatch, kernel)
     cases = [(1, 1, 3), (3, 37, 5), (8, 511, 4), (2, 513, 3), (1, 1031, 7), (5, 4096, 2),
-             (16, 300, 9), (1, 4096 + 257, 3)]
+             (16, 300, 9), (32, 515, 5), (1, 4096 + 257, 3)]
     for i, (M, K, N) in enumerate(cases):
         x, w = _data(rng, M, K, N)
         if i == len(cases) - 1:

@@ -35,10 +35,10 @@ from lowbit.reference.quantize import (quantize_activation_ref, quantize_weight_
 HASWELL, ALDERLAKE = TARGETS["haswell"], TARGETS["alderlake"]
 
 FORMATS = ("ternary", "sign", "int8")
-# (M, K, N): GEMV rows 1 and 3 (one 4-row group and a remainder), 16 (the GEMV's largest),
-# GEMM 17 and 100 (6-row tiles and a remainder; partial 16- and 64-column panels); K around the
+# (M, K, N): GEMV rows 1 and 3 (one 4-row group and a remainder), 32 (the GEMV's largest),
+# GEMM 33 and 100 (6-row tiles and a remainder; partial 16- and 64-column panels); K around the
 # GEMV blocks (32 to 128 packed bytes), the GEMM's four-K words and its int16 runs of 42 words.
-SHAPES = [(1, 1, 3), (1, 515, 7), (3, 301, 5), (16, 1031, 9), (17, 37, 1), (100, 677, 70)]
+SHAPES = [(1, 1, 3), (1, 515, 7), (3, 301, 5), (32, 1031, 9), (33, 37, 1), (100, 677, 70)]
 
 
 def _ref(x, data, scale, format, K):
@@ -93,7 +93,7 @@ def _run_checks(expect):
         # float64 plan assumes the quantizers' ranges (codes -127 .. 127, ternary stored 2)
         low = -127 if expect == "portable" else -128
         top = 0xAA if expect == "portable" and format == "ternary" else 0xFF
-        for M, K, N in [(2, 1031, 3), (20, 2053, 17)]:
+        for M, K, N in [(2, 1031, 3), (38, 2053, 17)]:
             cx = np.full((M, K), low, np.int8)
             cx[1] = 127
             nbytes = K if format == "int8" else -(-K * {"ternary": 2, "sign": 1}[format] // 8)

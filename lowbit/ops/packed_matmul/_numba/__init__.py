@@ -57,15 +57,19 @@ MKL_MIN_ROWS = 16
 USE_VNNI = _vnni.AVAILABLE
 #: Rows at or below which the GEMV kernels run instead of the BLAS GEMM.
 GEMV_MAX_ROWS = 8
-#: The same for the VNNI kernels: the GEMM spreads every weight code into its panels first
-#: (~1.9 ms at K = N = 4096), the GEMV costs ~0.08 ms a row (measured: 16 rows 1.4 ms against
-#: 2.5 ms).
-VNNI_GEMV_MAX_ROWS = 16
+#: The same for the VNNI kernels: the GEMM spreads every weight code into its panels first (a
+#: fixed cost of a few ms at K = N = 4096), the GEMV costs ~0.09 ms a row. Measured on a 2-core
+#: Intel Xeon at K = N = 4096, GEMV against GEMM: ternary 17 rows 0.7 against 5.2 ms, 32 rows 2.9
+#: against 6.0, 48 4.3 against 6.4, 96 10.9 against 8.4; int8 and sign at 32 rows 4.4 / 3.8
+#: against 7.3 / 5.8, at 48 about even.
+VNNI_GEMV_MAX_ROWS = 32
 #: Whether the integer GEMV and GEMM use the 256-bit kernels of ``_avx2.py`` where the AVX-512
 #: VNNI ones cannot run (the CPU has AVX2; ``_avx2.AVX_VNNI`` says whether with ``vpdpbusd``).
 USE_AVX2 = _avx2.AVAILABLE
-#: Rows at or below which the AVX2 GEMV runs instead of its GEMM.
-AVX2_GEMV_MAX_ROWS = 16
+#: Rows at or below which the AVX2 GEMV runs instead of its GEMM (the same Xeon compiling for
+#: Haswell: ternary 32 rows 5.0 against 7.9 ms, int8 12.4 against 15.9, sign 6.7 against 8.3;
+#: at 48 rows int8 and sign about even).
+AVX2_GEMV_MAX_ROWS = 32
 #: NumPy BLAS kernels (``_backend.numpy_blas_kernel``, lower case) whose float32 GEMM runs on
 #: 512-bit vectors: OpenBLAS's AVX-512 core types, and oneMKL.
 AVX512_BLAS = frozenset({"skylakex", "cooperlake", "sapphirerapids", "mkl"})
