@@ -89,11 +89,11 @@ def _refuse_unused(p: argparse.ArgumentParser, args) -> None:
             p.error(f"{flag} applies to the training comparison, not to train --distributed")
     if args.distributed and args.suites != ["train"]:
         p.error("--distributed applies to train alone: python -m bench train --distributed")
-    if args.cpu_target and args.gpu:
-        p.error("--cpu-target forces the CPU kernels; --gpu runs on the GPU: choose one")
     if args.cpu_target:
         from .cpu import target_refusal
 
+        if args.gpu:
+            p.error("--cpu-target forces the CPU kernels; --gpu runs on the GPU: choose one")
         reason = target_refusal(args.cpu_target)
         if reason:
             p.error(f"--cpu-target {args.cpu_target}: {reason}")

@@ -42,7 +42,7 @@ FLAGS = ("avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni"
          "amx_int8", "amx_bf16")
 
 
-def _cpu_flags() -> dict:
+def host_flags() -> dict:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -66,7 +66,7 @@ def target_env(target: str, environ: dict) -> dict:
 
 def target_refusal(target: str) -> str | None:
     """Why this host cannot execute ``target``'s kernels (None: it can)."""
-    flags = _cpu_flags()
+    flags = host_flags()
     missing = [f for f in TARGET_NEEDS[target] if not flags.get(f)]
     return (f"this CPU lacks {', '.join(missing)}: {target}'s kernels cannot run here"
             if missing else None)
@@ -124,7 +124,7 @@ def facts() -> dict:
 
     env = {var: os.environ.get(var) for var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
                                                  "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")}
-    return {"flags": _cpu_flags(), "numba_target": numba.config.CPU_NAME or "host",
+    return {"flags": host_flags(), "numba_target": numba.config.CPU_NAME or "host",
             "env": env, "blas": _blas(), "kernels": kernels()}
 
 

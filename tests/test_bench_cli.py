@@ -94,7 +94,7 @@ def test_a_flag_that_is_not_used_is_refused(argv, message, capsys, no_work):
 def test_a_cpu_target_the_host_cannot_execute_is_refused(capsys, monkeypatch, no_work):
     from bench import cpu
 
-    monkeypatch.setattr(cpu, "_cpu_flags", lambda: {"avx2": True, "fma": True, "bmi2": True})
+    monkeypatch.setattr(cpu, "host_flags", lambda: {"avx2": True, "fma": True, "bmi2": True})
     code, _, err = _exit(["cpu", "--cpu-target", "alderlake"], capsys)
     assert code == 2 and "this CPU lacks avx_vnni" in err
 

@@ -27,12 +27,12 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
 
-from bench.cpu import TARGETS  # noqa: E402  (the forced targets ``python -m bench`` offers)
+from bench import cpu  # noqa: E402  (the forced targets ``python -m bench`` offers)
 from lowbit.reference.packed_matmul import packed_matmul_ref  # noqa: E402
 from lowbit.reference.quantize import (quantize_activation_ref, quantize_weight_ref,  # noqa: E402
                                        unpack_weight_ref)
 
-HASWELL, ALDERLAKE = TARGETS["haswell"], TARGETS["alderlake"]
+HASWELL, ALDERLAKE = cpu.TARGETS["haswell"], cpu.TARGETS["alderlake"]
 
 FORMATS = ("ternary", "sign", "int8")
 # (M, K, N): GEMV rows 1 and 3 (one 4-row group and a remainder), 32 (the GEMV's largest),
@@ -129,16 +129,6 @@ def _subprocess(tmp_path, cpu, features, code):
     return proc.stdout
 
 
-def _host_has(*features):
-    import llvmlite.binding as llvm
-
-    try:
-        host = set(llvm.get_host_cpu_features().flatten().split(","))
-    except RuntimeError:
-        return False
-    return {f"+{f}" for f in features} <= host
-
-
 def test_host_kernels_match_reference():
     """This host's own choice (AVX2 here, also where AVX-512 VNNI would be preferred) and the
     portable kernels, in this process."""
@@ -157,7 +147,7 @@ def test_host_kernels_match_reference():
          _avx2_gemm.gemm_dx) = saved
 
 
-@pytest.mark.skipif(not _host_has("avx2", "fma", "bmi2"),
+@pytest.mark.skipif(cpu.target_refusal("haswell") is not None,
                     reason="this CPU cannot execute code compiled for Haswell")
 def test_haswell_target_matches_reference(tmp_path):
     """The AVX2 kernels compiled for Haswell (no AVX-512, no AVX-VNNI), run and checked."""
@@ -192,14 +182,15 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(not _host_has("avx2"), reason="no x86-64 AVX2 host to compile on")
+@pytest.mark.skipif(not cpu.host_flags().get("avx2"),
+                    reason="no x86-64 AVX2 host to compile on")
 def test_alderlake_target_compiles_to_vex_vpdpbusd(tmp_path):
     """The AVX-VNNI kernels compiled for Alder Lake: the GEMV, GEMM and dx (int8 weights) assembly
     holds ``{vex} vpdpbusd`` on ymm registers and no zmm register (compiled, not run)."""
     assert _subprocess(tmp_path, "alderlake", ALDERLAKE, _ASM).strip().endswith("ok")
 
 
-@pytest.mark.skipif(not _host_has("avx2", "avxvnni"),
+@pytest.mark.skipif(cpu.target_refusal("alderlake") is not None,
                     reason="this CPU has no AVX-VNNI: the Alder Lake kernels are compiled and "
                            "their assembly checked, not run")
 def test_alderlake_target_matches_reference(tmp_path):
