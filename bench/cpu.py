@@ -94,12 +94,13 @@ def kernels() -> dict:
     from lowbit.ops.gated_delta_scan import _numba_chunked
     from lowbit.ops.lowrank_residual import _numba as lowrank
     from lowbit.ops.packed_matmul import _numba as pm
-    from lowbit.ops.packed_matmul._numba import _avx2, _mkl
+    from lowbit.ops.packed_matmul._numba import _avx2, _fma, _mkl
     from lowbit.ops.segmented_attention import _numba as attention
 
     integer = ("avx512-vnni" if pm.USE_VNNI else
                ("avx-vnni" if _avx2.AVX_VNNI else "avx2") if pm.USE_AVX2 else None)
-    fma = "avx512-fma tiles" if pm.USE_FMA else "numpy's BLAS"
+    tiles = "avx512-fma tiles" if _fma.WIDE else "avx2-fma tiles"
+    fma = tiles if pm.USE_FMA else "numpy's BLAS"
     mkl = "onemkl amx" if pm.USE_MKL else None
     return {
         "packed_matmul gemv (<= 32 rows)": integer or "portable gemv",
@@ -107,10 +108,9 @@ def kernels() -> dict:
         "packed_matmul dx": fma if pm.USE_FMA else "numpy's BLAS on decoded float32 tiles",
         "packed_matmul dx, int8 gradients": mkl or integer or "float64 BLAS",
         "packed_matmul dw": fma,
-        "segmented_attention": "avx512-fma tiles" if attention.USE_FMA else "BLAS",
-        "gated_delta_scan chunked": ("avx512-fma tiles" if _numba_chunked.USE_FMA
-                                     else "token by token"),
-        "lowrank_residual causal-linear": "avx512-fma tiles" if lowrank.USE_FMA else "BLAS",
+        "segmented_attention": tiles if attention.USE_FMA else "BLAS",
+        "gated_delta_scan chunked": tiles if _numba_chunked.USE_FMA else "token by token",
+        "lowrank_residual causal-linear": tiles if lowrank.USE_FMA else "BLAS",
         "amx": ("onemkl's cblas_gemm_s8u8s32" if pm.USE_MKL else
                 "this cpu has amx: pip install lowbit[mkl]" if _mkl.AMX else "no amx"),
         "onemkl": "installed" if _mkl.available() else "not installed (lowbit[mkl])",

@@ -1,4 +1,4 @@
-"""The numba packed matmul's integer kernels on CPU targets other than the host's.
+"""The numba packed matmul's kernels on CPU targets other than the host's.
 
 Kernels: ``lowbit/ops/packed_matmul/_numba/_avx2.py`` and ``_avx2_gemm.py`` (AVX2 and AVX-VNNI,
 256-bit: GEMV, GEMM and the dx of int8 gradients), the portable ``_gemv.py`` / ``_gemm_f64.py``;
@@ -12,6 +12,8 @@ rows: GEMV and GEMM), the dx of int8 gradients (``matmul_dx_int``) on the same s
 codes at the edges of the int16 bounds (activation and gradient code -128, every stored field
 at its largest), and asserts which kernel ran. AVX-VNNI code is compiled for Alder Lake and its
 assembly checked for the VEX-encoded ``vpdpbusd``; it runs only where the host CPU has AVX-VNNI.
+The float32 register tiles of ``_fma.py`` (the exact backward's, attention's and the low-rank
+residual's products) compiled for Haswell must give the host's bits.
 """
 
 import os
@@ -154,6 +156,57 @@ def test_haswell_target_matches_reference(tmp_path):
     out = _subprocess(tmp_path, "haswell", HASWELL,
                       "import test_packed_matmul_targets as t; t._run_checks('avx2'); print('ok')")
     assert out.strip().endswith("ok")
+
+
+def _tile_digest():
+    """SHA-256 of the float32 register tiles' results (``_fma.panel_block``: 1 to 13 rows, A
+    read along its rows and down its columns, from zero and accumulated, a short and a long
+    reduction; the exact backward's ``dx_kernel`` on ternary and int8 codes and ``dw_kernel``)
+    with which tiles ran: every output is the same fused multiply-adds in the same order on
+    512-bit and 256-bit vectors, so the digests of two targets must be equal."""
+    import hashlib
+
+    from lowbit.ops.packed_matmul._numba import _fma
+    from lowbit.reference.quantize import quantize_weight_ref
+
+    assert _fma.AVAILABLE, "no float32 tiles on this target"
+    rng = np.random.default_rng(11)
+    h = hashlib.sha256()
+    for rows, count in [(1, 1), (5, 70), (6, 256), (13, 301)]:
+        a = rng.standard_normal((rows, count)).astype(np.float32)
+        at = np.ascontiguousarray(a.T)
+        panel = rng.standard_normal((count, _fma.PANEL)).astype(np.float32)
+        for load in (False, True):
+            c = rng.standard_normal((rows + 2, _fma.PANEL + 8)).astype(np.float32)
+            _fma.panel_block(a, rows, count, 1, 0, panel, count, c, 8, load)
+            _fma.panel_block(at, rows, 1, rows, 0, panel, count, c, 0, True)
+            h.update(c.tobytes())
+    M, K, N = 40, 197, 150
+    g = rng.standard_normal((M, N)).astype(np.float32)
+    for format in ("ternary", "int8"):
+        data, _ = quantize_weight_ref(rng.standard_normal((K, N)), format)
+        out = np.empty((M, K), np.float32)
+        _fma.dx_kernel(g, np.ascontiguousarray(data), 8 if format == "int8" else 2, K,
+                       np.float32(0.5), 64, out)
+        h.update(out.tobytes())
+    act = rng.standard_normal((M, K)).astype(np.float32)
+    for a, transposed in ((act, False), (np.ascontiguousarray(act.T), True)):
+        dw = np.empty((K, N), np.float32)
+        _fma.dw_kernel(a, transposed, g, 64, dw)
+        h.update(dw.tobytes())
+    return f"{'wide' if _fma.WIDE else 'avx2'} {h.hexdigest()}"
+
+
+@pytest.mark.skipif(cpu.target_refusal("haswell") is not None,
+                    reason="this CPU cannot execute code compiled for Haswell")
+def test_haswell_float_tiles_equal_host(tmp_path):
+    """The float32 tiles compiled for Haswell (256-bit, four passes of 16 columns a panel) give
+    the host's tiles' bits (512-bit where it has AVX-512: the comparison that matters)."""
+    out = _subprocess(tmp_path, "haswell", HASWELL,
+                      "import test_packed_matmul_targets as t; print(t._tile_digest())")
+    forced = out.strip().splitlines()[-1]
+    assert forced.startswith("avx2 ")
+    assert forced.split()[1] == _tile_digest().split()[1]
 
 
 _ASM = """

@@ -1,7 +1,7 @@
 """Chunked (WY / UT) gated delta rule in Numba: within a block of tokens, matrix products;
 across blocks, the state recurrence. Parallel over batch x head. The numba backend runs it where
 it is faster than its token-by-token kernels (``_numba.use_chunked``: float32, K = V = 64, on
-AVX-512; ``_numba.py`` has the rule and the measurements).
+AVX-512 or AVX2 + FMA; ``_numba.py`` has the rule and the measurements).
 
 Siblings: ``_numba_chunked_tiles.py`` (the products), ``_numba.py`` (the token-by-token kernels
 and the rule), ``_numpy.py``; reference ``reference/gated_delta_scan.py``; tests
@@ -31,7 +31,7 @@ allocated once per task. The backward recomputes each block from the state enter
 forward's checkpoint, or, inside a checkpoint chunk longer than ``BLOCK``, states recomputed
 block by block from the checkpoint into a task-local buffer.
 
-The products (``_numba_chunked_tiles.product``) run on the AVX-512 register tiles of
+The products (``_numba_chunked_tiles.product``) run on the register tiles of
 ``lowbit/ops/packed_matmul/_numba/_fma.py`` for float32 with K = V = 64 where ``USE_FMA``, else
 through SciPy's BLAS ``?gemm`` (called by symbol: ``np.dot`` in Numba allocates every result and
 cannot accumulate into a view). Their right operands are row-major, so the kernels keep k.T,
@@ -80,7 +80,7 @@ BLOCK = 64
 #: 1.06x, 1.12x and 1.3x slower).
 SOLVE = 4
 
-#: Whether float32 with K = V = 64 runs the AVX-512 register tiles (``tiles_fit``), else BLAS.
+#: Whether float32 with K = V = 64 runs the register tiles (``tiles_fit``), else BLAS.
 USE_FMA = _fma.AVAILABLE
 
 
@@ -168,7 +168,7 @@ def _setup(q, k, v, log_decay, beta, b, h, t0, n, s0, ws, tiles):
         for s in range(t):
             low[t, s] = coef[0, t] * decay[t, s] * gram[big + t, s]
     # A = (I + L)^-1, L = diag(beta) M, by blocked forward substitution: rows r0 .. r0 + 3 are
-    # E - L[rows, :r0] @ A[:r0] (the AVX-512 tiles, else 4 x 4 register tiles against A.T), then
+    # E - L[rows, :r0] @ A[:r0] (the tiles, else 4 x 4 register tiles against A.T), then
     # solved among themselves. A row by row would chain every update through the same row in
     # memory (latency bound).
     scal[1] = 0  # a zero of the input dtype for the tiles' sums

@@ -2,7 +2,7 @@
 one calling convention: SciPy's BLAS ``?gemm`` (every dtype and shape: the portable path) and the
 AVX-512 float32 register tiles of ``lowbit/ops/packed_matmul/_numba/_fma.py`` (6 x 64
 accumulators, fused multiply-adds in a fixed order: deterministic), which need 64-column right
-operands: K = V = ``_numba_chunked.BLOCK`` = 64 (``tiles_fit``), on a CPU with AVX-512.
+operands: K = V = ``_numba_chunked.BLOCK`` = 64 (``tiles_fit``), on a CPU with AVX-512 or AVX2 + FMA.
 
 Why the tiles: OpenBLAS runs its AVX2 kernels on AMD Zen, and each of these small products
 also pays a BLAS call; here the tiles run the block products at ~250 GFLOP/s on one core,
@@ -56,7 +56,7 @@ def uses_tiles(tiles):
 
 def tiles_fit(dtype, nk, nv, block):
     """Whether the register tiles can run every product: float32, every width 64 (the CPU's
-    AVX-512, ``_fma.AVAILABLE``, is the caller's check)."""
+    ``_fma.AVAILABLE`` is the caller's check)."""
     return dtype == "float32" and nk == nv == block == _fma.PANEL
 
 

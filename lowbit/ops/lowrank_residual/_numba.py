@@ -9,7 +9,7 @@ backward that recomputes the forward's output) also keeps the rotated queries, t
 scores and the states entering chunks, which ``causal_linear_backward`` then reads instead of
 recomputing them: the same bits. The layer norms are the ``layer_norm`` op's.
 
-Products: on a CPU with AVX-512 (``USE_FMA``) the register tiles of
+Products: on a CPU with AVX-512 or AVX2 + FMA (``USE_FMA``) the register tiles of
 ``lowbit/ops/packed_matmul/_numba/_fma.py`` (6 x 64 accumulators, fused multiply-adds in a fixed
 order); else ``np.dot`` to the BLAS SciPy ships, whose OpenBLAS runs its AVX2 kernels on AMD
 Zen (one core of the 2-core EPYC, the BDH bench's head, B = 2, T = 256, D = 256, N = 1024: the
@@ -33,10 +33,11 @@ import numpy as np
 from ... import _backend
 from ..packed_matmul._numba import _fma
 
-# The AVX-512 kernels call the tiles of ``_fma.py``, which Numba's cache does not key on.
+# The tile kernels call the tiles of ``_fma.py``, which Numba's cache does not key on.
 _backend.numba_cache_guard(__file__, _fma.__file__)
 
-#: Whether the attention runs the AVX-512 register tiles (else BLAS).
+#: Whether the attention runs the register tiles (else BLAS; on AVX2, Zen 3, the tiles win too:
+#: ``_fma.py``'s docstring).
 USE_FMA = _fma.AVAILABLE
 
 #: Tokens per chunk (intra-chunk scores are CHUNK x CHUNK; a multiple of the tiles' 64 lanes).
@@ -193,7 +194,7 @@ def _backward(da, x, v, starts, cos, sin, dx, dv, kept, qs, ps, states):
         _rope_back(dq, b, s0, s1, cos, sin, dx)
 
 
-# The AVX-512 path (``USE_FMA``): the packings and products of the tiles, and the two kernels.
+# The tile path (``USE_FMA``): the packings and products of the tiles, and the two kernels.
 
 _P = _fma.PANEL
 

@@ -4,9 +4,9 @@ Every score block is computed transposed, keys by queries (``S^T = K Q^T``): the
 runs along each query's column, so the max, the exp and the row sums are elementwise over the
 query lanes of one key row and vectorize without reassociating any sum.
 
-Products: float32 on a CPU with AVX-512 (``USE_FMA``) runs the register tiles of
-``lowbit/ops/packed_matmul/_numba/_fma.py`` (6 x 64 accumulators, fused multiply-adds in a fixed
-order); float64, or a CPU without AVX-512, ``np.dot`` to the BLAS SciPy ships, whose OpenBLAS
+Products: float32 on a CPU with AVX-512, or AVX2 and FMA (``USE_FMA``), runs the register
+tiles of ``lowbit/ops/packed_matmul/_numba/_fma.py`` (6 x 64 accumulators, fused multiply-adds
+in a fixed order); float64, or a CPU without them, ``np.dot`` to the BLAS SciPy ships, whose OpenBLAS
 runs its AVX2 kernels on AMD Zen: on one core of the 2-core EPYC (Zen 5), T = 8192 in 6 segments
 of 512-2048 tokens, H = 8, D = 64, the tiles take 143-149 ms for the forward against 280-290 ms
 through BLAS, 309-325 against 642-685 ms for the backward. The tiles read their right operand
@@ -50,12 +50,18 @@ from ..packed_matmul._numba import _fma, _llvm
 from . import _numba_decode, _numba_exp
 from ._numba_softmax import _column_max, _exp_columns, _probabilities_and_dscores
 
-# The AVX-512 kernels call the tiles of ``_fma.py`` and the intrinsics of ``_numba_exp.py`` built
+# The tile kernels call the tiles of ``_fma.py`` and the intrinsics of ``_numba_exp.py`` built
 # with ``_llvm.py``'s helpers, which Numba's cache does not key on.
 _backend.numba_cache_guard(__file__, _fma.__file__, _llvm.__file__)
 
-#: Whether float32 runs the AVX-512 register tiles of ``_fma.py`` (else BLAS, as float64 does).
+#: Whether float32 runs the register tiles of ``_fma.py`` (else BLAS, as float64 does).
 USE_FMA = _fma.AVAILABLE
+# The tile kernels' softmax steps: on zmm registers with AVX-512, else the lane loops (which LLVM
+# vectorizes at the CPU's width, 256 bits on AVX2).
+if _fma.WIDE:
+    _exp_step, _probability_step = _numba_exp.exp_columns, _numba_exp.probabilities_and_dscores
+else:
+    _exp_step, _probability_step = _exp_columns, _probabilities_and_dscores
 
 #: Forward query rows per item and keys per softmax step: a [CHUNK_K, BLOCK_Q] score block
 #: (512 KiB in float32) stays in a core's L2 between its two products. Backward key rows per
@@ -222,7 +228,7 @@ def _add_product(acc, a, b, scratch):
     acc += product
 
 
-# The AVX-512 path (``USE_FMA``): the packings and products of the tiles, and the two kernels.
+# The tile path (``USE_FMA``): the packings and products of the tiles, and the two kernels.
 
 @numba.njit(cache=True)
 def _pack_rows(x, s0, rows, h, scale, out):
@@ -290,7 +296,7 @@ def _forward_fma(q, kt, vp, items, order, slots, scale, causal, group, out, lse)
                     alpha[r] = _rescale(alpha[r], m[r])
                     den[r] *= alpha[r]
                     acc[r] *= alpha[r]
-                _numba_exp.exp_columns(block, m, den, q0 + shift - k0, causal)
+                _exp_step(block, m, den, q0 + shift - k0, causal)
                 # out's rows are the query lanes: A = block^T, read down its columns.
                 _accumulate(acc, block, wide, 1, wide, k1 - k0, vp[g], k0)
             _finish(acc, m, den, rows, q0, h, out, lse)
@@ -345,7 +351,7 @@ def _backward_fma(dout, q, kt, vt, kp, out, lse, items, order, slots, scale, cau
                     ds = _matrix(dscores, cols, rows)
                     _scores(kb, cols, qt, r0 // lanes, p)
                     _scores(vb, cols, dot, r0 // lanes, ds)
-                    _numba_exp.probabilities_and_dscores(p, ds, lse_row[r0:r1], delta[r0:r1],
+                    _probability_step(p, ds, lse_row[r0:r1], delta[r0:r1],
                                                          s0 + r0 + shift - k0, causal)
                     _accumulate(dv_acc, p, cols, rows, 1, rows, dop, r0)
                     _accumulate(dk_acc, ds, cols, rows, 1, rows, qp, r0)
@@ -398,7 +404,7 @@ def _forward_items(offsets, k_offsets, heads, causal):
 
 def _panels(x):
     """[T, heads, dim] -> contiguous [heads, ceil(dim / 64), T, 64], zero-padded: the operands
-    the AVX-512 tiles read as 64-column panels."""
+    the tiles read as 64-column panels."""
     tokens, heads, dim = x.shape
     count = -(-dim // _fma.PANEL)
     padded = np.zeros((heads, tokens, count * _fma.PANEL), x.dtype)

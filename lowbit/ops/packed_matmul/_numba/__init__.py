@@ -14,9 +14,9 @@ this package:
   the same vectors;
 - ``_mkl.py``: oneMKL's ``cblas_gemm_s8u8s32`` (AMX int8 tiles) for the GEMM and the dx of
   int8 gradients, through ctypes (used where ``USE_MKL``: AMX and the ``mkl`` extra);
-- ``_fma.py``: AVX-512 float32 register-tile GEMMs of the exact backward, ``dx`` decoding the
-  packed codes into its panels and ``dw`` (used where ``USE_FMA``: the CPU has AVX-512 and
-  NumPy's BLAS does not run 512-bit kernels of its own);
+- ``_fma.py``: float32 register-tile GEMMs (AVX-512, or AVX2 with FMA) of the exact backward,
+  ``dx`` decoding the packed codes into its panels and ``dw`` (used where ``USE_FMA``: the CPU
+  has AVX-512 and NumPy's BLAS does not run 512-bit kernels of its own);
 - ``_llvm.py``: the IR helpers both files' intrinsics are emitted with;
 - ``_gemv.py``: the portable GEMV over packed bytes (few rows, no VNNI, no AVX2);
 - ``_gemm_f64.py``: the portable GEMM, exact integer products in float64 BLAS with three weight
@@ -74,12 +74,14 @@ AVX2_GEMV_MAX_ROWS = 32
 #: 512-bit vectors: OpenBLAS's AVX-512 core types, and oneMKL.
 AVX512_BLAS = frozenset({"skylakex", "cooperlake", "sapphirerapids", "mkl"})
 #: Whether the exact backward's float32 products (``matmul_dx`` above ``GEMV_MAX_ROWS`` rows,
-#: ``matmul_dw``) run the AVX-512 tiles of ``_fma.py``; else NumPy's BLAS on decoded float32
-#: tiles. A measured rule: the tiles beat a BLAS on 256-bit kernels (one core of a 2-core EPYC
-#: Zen 5, OpenBLAS on its Haswell kernels, 256 x 4096 x 4096: sgemm 69 ms, dx 39 ms) and lose to
-#: one on 512-bit kernels (2-core Intel Xeon, OpenBLAS SkylakeX, the whole straight-through
-#: backward: tiles 137-155 ms, BLAS 98-124 ms, in alternation).
-USE_FMA = _fma.AVAILABLE and (_backend.numpy_blas_kernel() or "").lower() not in AVX512_BLAS
+#: ``matmul_dw``) run the tiles of ``_fma.py``; else NumPy's BLAS on decoded float32 tiles. A
+#: measured rule: only tiles wider than the BLAS's kernels win. 512-bit tiles beat a BLAS on
+#: 256-bit kernels (one core of a 2-core EPYC Zen 5, OpenBLAS on its Haswell kernels,
+#: 256 x 4096 x 4096: sgemm 69 ms, dx 39 ms) and lose to one on 512-bit kernels (2-core Intel
+#: Xeon, OpenBLAS SkylakeX, the whole straight-through backward: tiles 137-155 ms, BLAS 98-124 ms,
+#: in alternation); the 256-bit tiles lose to OpenBLAS's Haswell kernels (2-core EPYC Zen 3, no
+#: AVX-512, the same backward: tiles 185-195 ms, BLAS 152-166 ms, NumPy f32 137-149 ms).
+USE_FMA = _fma.WIDE and (_backend.numpy_blas_kernel() or "").lower() not in AVX512_BLAS
 #: Activation elements (M * K) from which ``matmul_dw`` transposes them for the AVX-512 tiles:
 #: read down the columns of a large A the tiles' loads conflict in L1 (one core, M = 256,
 #: K = N = 4096: dw 42 ms, transposed 36 + 2 ms), while for a small one the transpose costs more

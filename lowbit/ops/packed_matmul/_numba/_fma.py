@@ -1,4 +1,6 @@
-"""AVX-512 float32 GEMM kernels of the numba packed matmul's straight-through backward.
+"""float32 register-tile GEMM kernels (AVX-512, or AVX2 with FMA) of the numba packed matmul's
+straight-through backward, also the products of the attention, low-rank residual and chunked
+gated delta kernels.
 
 Siblings in ``lowbit/ops/packed_matmul/_numba/``: ``__init__.py`` (``matmul_dx`` /
 ``matmul_dw``, which run these where ``AVAILABLE``), ``_vnni.py`` (the integer kernels),
@@ -7,7 +9,9 @@ Siblings in ``lowbit/ops/packed_matmul/_numba/``: ``__init__.py`` (``matmul_dx``
 
 ``fma_tile(rows, load)`` is a register tile of ``rows`` x 64 float32 accumulators (``rows * 4``
 zmm registers) fed by ``llvm.fma.v16f32``: per reduction step it loads four vectors of one panel
-row and broadcasts one float per tile row. Both backward products are this tile over panels of 64
+row and broadcasts one float per tile row. Without AVX-512 (16 ymm registers) the same tile runs
+as four passes of ``rows`` x 16 (``llvm.fma.v8f32``), each output by the same multiply-adds in
+the same order, so the two give the same bits. Both backward products are this tile over panels of 64
 output columns, in parallel over panels:
 
 - ``dx = dy @ codes_w.T``: the panel rows are the signed codes of 64 input features of one weight
@@ -20,7 +24,13 @@ Every product and sum is float32 (fused multiply-add), in a fixed order: determi
 BLAS: NumPy's OpenBLAS runs its AVX2 ("Haswell") kernels on AMD Zen CPUs, half the vector width
 of these tiles (measured on one core of a 2-core EPYC, 256 x 4096 x 4096: sgemm 69 ms; dx here
 39 ms with the decode, dw 36 ms on transposed activations), and BLAS needs the decoded weight in
-memory first.
+memory first. The 256-bit tiles do not beat OpenBLAS's Haswell kernels on this backward (see
+``__init__.USE_FMA``); they do win on the attention-like products of the other ops, whose BLAS
+calls are small (2-core EPYC Zen 3, one thread a product, against SciPy's OpenBLAS: the low-rank
+residual's causal-linear attention 4.6 against 5.3 ms forward, 11.6 against 14.2 ms backward;
+segmented attention forward + backward 940-1011 against 1090-1129 ms; the chunked gated delta
+scan against the token-by-token kernels 1.3-1.6x forward, 1.1-1.2x backward at B = 4 and 1,
+T = 2048, 0.95x backward at B = 2, T = 256).
 """
 
 import numba
@@ -33,8 +43,11 @@ from numba.extending import intrinsic
 from ._llvm import counted_loop, host_features, is_array, ptr
 
 
+_FEATURES = host_features()
 #: True when the target CPU has AVX-512F (sixteen float32 lanes a register, 32 registers).
-AVAILABLE = "+avx512f" in host_features()
+WIDE = "+avx512f" in _FEATURES
+#: True when the tiles can run: AVX-512F, or AVX2 with FMA (eight lanes, 16 registers).
+AVAILABLE = WIDE or {"+avx2", "+fma"} <= _FEATURES
 
 #: Output columns of a panel (four vectors of sixteen float32 lanes) and most rows of one tile.
 PANEL = 64
@@ -43,13 +56,15 @@ TILE_ROWS = 6
 #: row tile runs over it (128 and 512 measured no faster for dx, 128 5% slower for dw).
 KC = 256
 
+#: float32 lanes of a vector and vectors of accumulators per tile row in one pass over a panel.
+_LANES, _PASS_VECTORS = (16, 4) if WIDE else (8, 2)
 _F32 = ir.FloatType()
-_FVEC = ir.VectorType(_F32, 16)
+_FVEC = ir.VectorType(_F32, _LANES)
 
 
 def _fma(builder, a, b, c):
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_FVEC, [_FVEC] * 3),
-                                        "llvm.fma.v16f32")
+                                        f"llvm.fma.v{_LANES}f32")
     return builder.call(fn, [a, b, c])
 
 
@@ -60,11 +75,13 @@ def fma_tile(rows, load):
     ``A[i, r]`` is the float32 at element offset ``i * si + r * sr`` of the C-contiguous array
     ``a`` (``si = R, sr = 1``: ``a`` is A [I, R]; ``si = 1, sr = I``: ``a`` is A transposed);
     ``panel``: C-contiguous float32 ``[>= count, 64]``;
-    ``c``: C-contiguous float32 ``[>= c0 + rows, >= j0 + 64]``. The ``rows * 4`` accumulators
-    start from ``c`` (``load``) or zero, stay in registers over the ``count`` steps, and are
-    stored back; each step adds ``a[i, r] * panel[r, :]`` in order of ``r``.
+    ``c``: C-contiguous float32 ``[>= c0 + rows, >= j0 + 64]``. The accumulators start from ``c``
+    (``load``) or zero, stay in registers over the ``count`` steps, and are stored back; each step
+    adds ``a[i, r] * panel[r, :]`` in order of ``r``. With AVX-512 the 64 columns are one pass of
+    ``rows * 4`` zmm accumulators; with AVX2 four passes of 16 columns (``rows * 2`` ymm), so both
+    compute every output by the same fused multiply-adds in the same order: bit for bit equal.
     """
-    vectors = PANEL // 16
+    width = _LANES * _PASS_VECTORS  # columns a pass
 
     @intrinsic
     def tile(typingctx, a, i0, r0, si, sr, panel, count, c, c0, j0):
@@ -95,34 +112,37 @@ def fma_tile(rows, load):
             a_step = builder.mul(args[4], const(4))  # bytes from A[i, r] to A[i, r + 1]
             a_rows = rows_at(arr_a, args[1], args[2], builder.mul(args[3], const(4)), a_step)
             c_rows = rows_at(arr_c, args[8], args[9], c_stride, const(4))
-            if load:
-                initial = [builder.load(ptr(builder, c_rows[r], const(64 * v), _FVEC), align=4)
-                           for r in range(rows) for v in range(vectors)]
-            else:
-                initial = [ir.Constant(_FVEC, [0.0] * 16)] * (rows * vectors)
-            zero_mask = ir.Constant(ir.VectorType(i32, 16), [0] * 16)
+            zero_mask = ir.Constant(ir.VectorType(i32, _LANES), [0] * _LANES)
+            for col in range(0, PANEL, width):  # byte offsets of the pass's vectors: below
+                offsets = [4 * (col + _LANES * v) for v in range(_PASS_VECTORS)]
+                if load:
+                    initial = [builder.load(ptr(builder, c_rows[r], const(o), _FVEC), align=4)
+                               for r in range(rows) for o in offsets]
+                else:
+                    initial = [ir.Constant(_FVEC, [0.0] * _LANES)] * (rows * _PASS_VECTORS)
 
-            def step(it, accs):
-                base = builder.mul(it, p_stride)
-                weights = [builder.load(ptr(builder, arr_p.data,
-                                             builder.add(base, const(64 * v)), _FVEC), align=4)
-                           for v in range(vectors)]
-                new = []
+                def step(it, accs, offsets=offsets):
+                    base = builder.mul(it, p_stride)
+                    weights = [builder.load(ptr(builder, arr_p.data,
+                                                 builder.add(base, const(o)), _FVEC), align=4)
+                               for o in offsets]
+                    new = []
+                    for r in range(rows):
+                        x = builder.load(ptr(builder, a_rows[r], builder.mul(it, a_step), _F32),
+                                         align=4)
+                        one = builder.insert_element(ir.Constant(_FVEC, None), x,
+                                                     ir.Constant(i32, 0))
+                        xb = builder.shuffle_vector(one, ir.Constant(_FVEC, None), zero_mask)
+                        for v in range(_PASS_VECTORS):
+                            new.append(_fma(builder, xb, weights[v],
+                                            accs[r * _PASS_VECTORS + v]))
+                    return new
+
+                accs = counted_loop(builder, intp, args[6], initial, step, "ftile")
                 for r in range(rows):
-                    x = builder.load(ptr(builder, a_rows[r], builder.mul(it, a_step), _F32),
-                                     align=4)
-                    one = builder.insert_element(ir.Constant(_FVEC, None), x,
-                                                 ir.Constant(i32, 0))
-                    xb = builder.shuffle_vector(one, ir.Constant(_FVEC, None), zero_mask)
-                    for v in range(vectors):
-                        new.append(_fma(builder, xb, weights[v], accs[r * vectors + v]))
-                return new
-
-            accs = counted_loop(builder, intp, args[6], initial, step, "ftile")
-            for r in range(rows):
-                for v in range(vectors):
-                    builder.store(accs[r * vectors + v],
-                                  ptr(builder, c_rows[r], const(64 * v), _FVEC), align=4)
+                    for v, o in enumerate(offsets):
+                        builder.store(accs[r * _PASS_VECTORS + v],
+                                      ptr(builder, c_rows[r], const(o), _FVEC), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
