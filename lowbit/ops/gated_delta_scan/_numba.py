@@ -15,14 +15,14 @@ the reverse sweep gets ddelta = (ds + q do^T)^T k = ds^T k + (q.k) do before its
 ds^T k part accumulated by the previous (later) token's pass as it writes ds.
 
 ``forward`` and ``backward`` run the chunked form of the same function instead
-(``_numba_chunked.py``: matrix products within blocks of 64 tokens, on the register
-tiles) where it is faster, by ``use_chunked``: float32 with K = V = 64 on a CPU with AVX-512
-or AVX2 + FMA (``_numba_chunked.USE_FMA``; through BLAS the form runs 0.9x forward, 0.6x
-backward at B = 4, T = 2048, H = 8), one decay per head, T >= ``CHUNKED_MIN_TOKENS``; the forward when its
-checkpoint chunks hold whole blocks (chunk_size >= 64, or no checkpoints), the backward only at
-chunk_size = 64 (a longer chunk recomputes its states block by block). Measured on a 2-core
-AMD EPYC (Zen 5, AVX-512), float32, K = V = 64, chunked over these kernels in the same
-process, interleaved, median of 5:
+(``_numba_chunked.py``: matrix products within blocks of 64 tokens, on the register tiles) where it
+is faster, by ``use_chunked``: float32 with K = V = 64 on a CPU with AVX-512 or AVX2 + FMA
+(``_numba_chunked.USE_FMA``; through BLAS the form runs 0.9x forward, 0.6x backward at B = 4, T =
+2048, H = 8), one decay per head, T >= ``CHUNKED_MIN_TOKENS``; the forward when its checkpoint
+chunks hold whole blocks (chunk_size >= 64, or no checkpoints), the backward only at chunk_size =
+64 (a longer chunk recomputes its states block by block). Measured on a 2-core AMD EPYC (Zen 5,
+AVX-512), float32, K = V = 64, chunked over these kernels in the same process, interleaved, median
+of 5:
 
     B, T, H        chunk   forward   backward
     4, 2048, 8     64      1.94x     1.28x

@@ -1,8 +1,8 @@
 """The matrix products of the chunked gated delta rule (``_numba_chunked.py``), in two forms with
 one calling convention: SciPy's BLAS ``?gemm`` (every dtype and shape: the portable path) and the
-AVX-512 float32 register tiles of ``lowbit/ops/packed_matmul/_numba/_fma.py`` (6 x 64
-accumulators, fused multiply-adds in a fixed order: deterministic), which need 64-column right
-operands: K = V = ``_numba_chunked.BLOCK`` = 64 (``tiles_fit``), on a CPU with AVX-512 or AVX2 + FMA.
+float32 register tiles of ``lowbit/ops/packed_matmul/_numba/_fma.py`` (6 x 64 accumulators,
+fused multiply-adds in a fixed order: deterministic), which need 64-column right operands:
+K = V = ``_numba_chunked.BLOCK`` = 64 (``tiles_fit``), on a CPU with AVX-512 or AVX2 + FMA.
 
 Why the tiles: OpenBLAS runs its AVX2 kernels on AMD Zen, and each of these small products
 also pays a BLAS call; here the tiles run the block products at ~250 GFLOP/s on one core,

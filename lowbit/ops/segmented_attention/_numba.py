@@ -4,16 +4,16 @@ Every score block is computed transposed, keys by queries (``S^T = K Q^T``): the
 runs along each query's column, so the max, the exp and the row sums are elementwise over the
 query lanes of one key row and vectorize without reassociating any sum.
 
-Products: float32 on a CPU with AVX-512, or AVX2 and FMA (``USE_FMA``), runs the register
-tiles of ``lowbit/ops/packed_matmul/_numba/_fma.py`` (6 x 64 accumulators, fused multiply-adds
-in a fixed order); float64, or a CPU without them, ``np.dot`` to the BLAS SciPy ships, whose OpenBLAS
-runs its AVX2 kernels on AMD Zen: on one core of the 2-core EPYC (Zen 5), T = 8192 in 6 segments
-of 512-2048 tokens, H = 8, D = 64, the tiles take 143-149 ms for the forward against 280-290 ms
-through BLAS, 309-325 against 642-685 ms for the backward. The tiles read their right operand
-as panels of 64 columns: the operands read that way are packed so, zero-padded (``_panels``:
-keys and values per head; per item the scaled queries and ``dout``, as [D, 64] panels of 64
-query lanes and as 64-column panels), and query rows are padded to whole panels; padded lanes
-(zero q, dout, delta and lse) only add exact zeros.
+Products: float32 on a CPU with AVX-512, or AVX2 and FMA (``USE_FMA``), runs the register tiles of
+``lowbit/ops/packed_matmul/_numba/_fma.py`` (6 x 64 accumulators, fused multiply-adds in a fixed
+order); float64, or a CPU without them, ``np.dot`` to the BLAS SciPy ships, whose OpenBLAS runs its
+AVX2 kernels on AMD Zen: on one core of the 2-core EPYC (Zen 5), T = 8192 in 6 segments of 512-2048
+tokens, H = 8, D = 64, the tiles take 143-149 ms for the forward against 280-290 ms through BLAS,
+309-325 against 642-685 ms for the backward. The tiles read their right operand as panels of 64
+columns: the operands read that way are packed so, zero-padded (``_panels``: keys and values per
+head; per item the scaled queries and ``dout``, as [D, 64] panels of 64 query lanes and as
+64-column panels), and query rows are padded to whole panels; padded lanes (zero q, dout, delta and
+lse) only add exact zeros.
 
 Forward: one work item per (head, query block of ``BLOCK_Q`` rows, ``BLOCK_Q_CAUSAL`` when
 causal); it walks its segment's keys ``CHUNK_K`` at a time with an online softmax (rescaling

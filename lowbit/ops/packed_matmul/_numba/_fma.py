@@ -11,8 +11,8 @@ Siblings in ``lowbit/ops/packed_matmul/_numba/``: ``__init__.py`` (``matmul_dx``
 zmm registers) fed by ``llvm.fma.v16f32``: per reduction step it loads four vectors of one panel
 row and broadcasts one float per tile row. Without AVX-512 (16 ymm registers) the same tile runs
 as four passes of ``rows`` x 16 (``llvm.fma.v8f32``), each output by the same multiply-adds in
-the same order, so the two give the same bits. Both backward products are this tile over panels of 64
-output columns, in parallel over panels:
+the same order, so the two give the same bits. Both backward products are this tile over panels
+of 64 output columns, in parallel over panels:
 
 - ``dx = dy @ codes_w.T``: the panel rows are the signed codes of 64 input features of one weight
   row, decoded straight from the packed bytes into the panel (a byte-to-codes table for ternary
