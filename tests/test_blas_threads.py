@@ -116,7 +116,7 @@ home = np.__file__.rsplit("numpy", 1)[0]
 ours = [i for i in threadpoolctl.threadpool_info()
         if i["internal_api"] == "openblas" and "numpy" in i["filepath"][len(home):]]
 print(_backend.numpy_blas_kernel(), ours[0]["architecture"] if ours else None, _numba.USE_FMA,
-      _numba._fma.AVAILABLE)
+      _numba._fma.WIDE)
 """
 
 
@@ -124,7 +124,8 @@ print(_backend.numpy_blas_kernel(), ours[0]["architecture"] if ours else None, _
 def test_numpy_blas_kernel_is_what_openblas_reports(tmp_path, coretype):
     """``numpy_blas_kernel`` names the core type NumPy's OpenBLAS runs, as ``threadpoolctl``
     reports it, ``OPENBLAS_CORETYPE`` included, and the straight-through backward takes the
-    AVX-512 tiles exactly where that kernel is not a 512-bit one (``_numba.USE_FMA``)."""
+    AVX-512 tiles exactly where that kernel is not a 512-bit one (``_numba.USE_FMA``; the
+    256-bit tiles of a CPU without AVX-512 never)."""
     import os
     import subprocess
     import sys

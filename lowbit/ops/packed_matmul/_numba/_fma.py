@@ -113,18 +113,21 @@ def fma_tile(rows, load):
             a_rows = rows_at(arr_a, args[1], args[2], builder.mul(args[3], const(4)), a_step)
             c_rows = rows_at(arr_c, args[8], args[9], c_stride, const(4))
             zero_mask = ir.Constant(ir.VectorType(i32, _LANES), [0] * _LANES)
-            for col in range(0, PANEL, width):  # byte offsets of the pass's vectors: below
-                offsets = [4 * (col + _LANES * v) for v in range(_PASS_VECTORS)]
+            def one_pass(pass_index, _):
+                # byte offsets of the pass's vectors in a panel row and a row of c
+                first = builder.mul(pass_index, const(4 * width))
+                offsets = [builder.add(first, const(4 * _LANES * v))
+                           for v in range(_PASS_VECTORS)]
                 if load:
-                    initial = [builder.load(ptr(builder, c_rows[r], const(o), _FVEC), align=4)
+                    initial = [builder.load(ptr(builder, c_rows[r], o, _FVEC), align=4)
                                for r in range(rows) for o in offsets]
                 else:
                     initial = [ir.Constant(_FVEC, [0.0] * _LANES)] * (rows * _PASS_VECTORS)
 
-                def step(it, accs, offsets=offsets):
+                def step(it, accs):
                     base = builder.mul(it, p_stride)
-                    weights = [builder.load(ptr(builder, arr_p.data,
-                                                 builder.add(base, const(o)), _FVEC), align=4)
+                    weights = [builder.load(ptr(builder, arr_p.data, builder.add(base, o),
+                                                _FVEC), align=4)
                                for o in offsets]
                     new = []
                     for r in range(rows):
@@ -142,7 +145,12 @@ def fma_tile(rows, load):
                 for r in range(rows):
                     for v, o in enumerate(offsets):
                         builder.store(accs[r * _PASS_VECTORS + v],
-                                      ptr(builder, c_rows[r], const(o), _FVEC), align=4)
+                                      ptr(builder, c_rows[r], o, _FVEC), align=4)
+                return []
+
+            # One pass with AVX-512; four with AVX2, as a loop (not unrolled: a quarter of the
+            # code for LLVM to compile into every kernel that calls the tiles).
+            counted_loop(builder, intp, const(PANEL // width), [], one_pass, "fpass")
             return context.get_dummy_value()
 
         return sig, codegen
