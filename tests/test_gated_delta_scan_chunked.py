@@ -1,6 +1,6 @@
 """The chunked (WY / UT) form of the gated delta rule against reference/gated_delta_scan.py:
 the numpy backend's (``_numpy.use_chunked``) and the numba one's (``_numba_chunked.py``, its
-products on the AVX-512 tiles or BLAS, ``_numba.use_chunked``), and the rules that pick them.
+products on the FMA tiles or BLAS, ``_numba.use_chunked``), and the rules that pick them.
 
 Siblings: ``tests/test_gated_delta_scan.py`` (every backend through the public op; its input
 maker is shared here).
@@ -143,11 +143,11 @@ def test_numpy_chunked_inference_equals_training_bitwise(rng):
     np.testing.assert_array_equal(state, state2)
 
 
-# -- the numba chunked kernels at K = V = 64: AVX-512 tiles or BLAS, and the rule that runs them
+# -- the numba chunked kernels at K = V = 64: FMA tiles or BLAS, and the rule that runs them
 
 @pytest.fixture(params=["tiles", "blas"])
 def chunked_products(request, monkeypatch):
-    """``_numba_chunked`` with its products on the AVX-512 tiles (where the CPU has them) or
+    """``_numba_chunked`` with its products on the FMA tiles (where the CPU has them) or
     forced onto BLAS (``USE_FMA`` off)."""
     if "numba" not in lowbit.available_backends():
         pytest.skip("backend numba unavailable")

@@ -59,7 +59,7 @@ def test_causal_linear_attention_kernel(backend, rng, split):
 
 @pytest.mark.parametrize("use_fma", [False, True])
 def test_numba_causal_linear_kernel_paths(backend, rng, monkeypatch, use_fma):
-    # float32 runs the AVX-512 tiles where the CPU has them: force each path in turn, so that
+    # float32 runs the FMA tiles where the CPU has them: force each path in turn, so that
     # the BLAS kernels are checked on every machine, and both with N and D past one 64-lane
     # panel and not a multiple of it (the tiles' padded lanes and columns).
     if backend.name != "numba":
@@ -68,7 +68,7 @@ def test_numba_causal_linear_kernel_paths(backend, rng, monkeypatch, use_fma):
     from lowbit.ops.packed_matmul._numba import _fma
 
     if use_fma and not _fma.AVAILABLE:
-        pytest.skip("the CPU has no AVX-512")
+        pytest.skip("the CPU has no FMA tiles (AVX-512, or AVX2 + FMA)")
     monkeypatch.setattr(_numba, "USE_FMA", use_fma)
     _check_causal_linear(backend, rng, True, 66, 70)
 

@@ -4,7 +4,7 @@ Every backend against ``reference/packed_matmul.py`` (forward, both gradients, a
 with ``grad_format="int8"`` bit for bit), the reference backward against central finite
 differences, ctx byte accounting, bad input. Kernels: ``cuda/packed_matmul.cu`` (GEMV,
 tensor-core GEMM twin, dx, dw under cudasim; their edges: ``tests/test_packed_matmul_cuda.py``);
-numba's AVX-512 tiles at their edges.
+numba's FMA tiles at their edges.
 """
 
 import numpy as np
@@ -216,7 +216,7 @@ def test_linear_matches_reference(backend, rng, weight_format, act_format, M, K,
 
 @pytest.mark.parametrize("weight_format", FORMATS)
 def test_backward_tiles_at_their_edges(monkeypatch, backend, rng, weight_format):
-    """Shapes around the numba AVX-512 tiles of dx and dw (6 rows, 64 columns, 256 reduction
+    """Shapes around the numba FMA tiles of dx and dw (6 rows, 64 columns, 256 reduction
     steps a panel block), which run here wherever the CPU has AVX-512 (whatever ``USE_FMA``
     chose from NumPy's BLAS): 9 and 13 rows, K and N across 64 and past 256, M past one dw
     block; dw from codes and from float activations."""

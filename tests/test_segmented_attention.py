@@ -117,7 +117,7 @@ def test_matches_reference_at_block_edges(backend, rng, causal):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_numba_blas_path_matches_reference(backend, rng, monkeypatch, causal):
-    # float32 runs the AVX-512 tiles where the CPU has them: force the BLAS kernels that run
+    # float32 runs the FMA tiles where the CPU has them: force the BLAS kernels that run
     # without them, so that both float32 paths are checked on every machine (block edges, a
     # head group, and D, Dv neither a multiple of 64 nor equal).
     if backend.name != "numba":

@@ -95,7 +95,7 @@ def test_matches_reference_float64(backend, rng, lengths, k_lengths, heads, kv_h
 @pytest.mark.parametrize("fma", [False, True], ids=["blas", "fma"])
 def test_numba_blocked_kernels_match_reference(backend, rng, monkeypatch, fma):
     # Short query segments run numba's decode path; force the blocked kernels on them (through
-    # BLAS, and the AVX-512 tiles, which LLVM also lowers for AVX2), with block edges: 257
+    # BLAS, and the FMA tiles, 512- or 256-bit by the CPU), with block edges: 257
     # queries against 300 keys (two causal query blocks, key chunks and backward key blocks).
     if backend.name != "numba":
         pytest.skip("the numba backend's kernel choice")
