@@ -280,6 +280,40 @@ def test_numba_backward_without_avx512(monkeypatch, rng, weight_format):
     assert_equal("dw int8", rdw, idw)
 
 
+@pytest.mark.parametrize("weight_format", FORMATS)
+def test_numba_backward_blas_blocks(monkeypatch, rng, weight_format):
+    """The numba exact backward on SciPy's BLAS blocks (``_backward.dx_blocks`` /
+    ``dw_blocks``, what runs where the float32 tiles do not), with blocks shrunk so that small
+    shapes cross them: K past several dx blocks of 16 features and not a multiple of a byte's
+    codes, N past tiles of 24 decoded weight rows (the partial products added up), M past
+    blocks of 10 rows, dw from codes and from float activations, split along K and (K shorter
+    than a block) along N; then one shape at the real block sizes."""
+    from lowbit.ops.packed_matmul import _numba
+    from lowbit.ops.packed_matmul._numba import _backward
+
+    monkeypatch.setattr(_numba, "USE_FMA", False)
+    with monkeypatch.context() as small:
+        for name, value in (("DX_COLS", 16), ("DX_ROWS", 24), ("BLOCK_M", 10),
+                            ("DW_MIN", 8)):
+            small.setattr(_backward, name, value)
+        cases = [(23, 37, 53), (9, 3, 40)]
+        _check_backward_blocks(rng, weight_format, cases)
+    _check_backward_blocks(rng, weight_format, [(1030, 9, 17)])
+
+
+def _check_backward_blocks(rng, weight_format, cases):
+    for M, K, N in cases:
+        x, w = _data(rng, M, K, N)
+        dy = rng.standard_normal((M, N)).astype(np.float32)
+        with lowbit.use_backend("numba"):
+            for act in ("int8", None):
+                _, ctx = lowbit.linear_forward(x, w, weight_format, act)
+                dx, dw = lowbit.linear_backward(dy, ctx)
+                rdx, rdw = linear_bwd_ref(dy, x, w, weight_format, act)
+                assert_close(f"dx {M}x{K}x{N} {act}", rdx, dx, rtol=1e-5)
+                assert_close(f"dw {M}x{K}x{N} {act}", rdw, dw, rtol=1e-5)
+
+
 # (weight_format, act_format, M, K, N): one row (the GEMV kernels forward), 6-row tiles with a
 # remainder, K and N past one 64-column panel, N not a multiple of 4 (the VNNI groups)
 INT8_GRAD_CASES = [

@@ -1,5 +1,6 @@
 """The matrix products of the chunked gated delta rule (``_numba_chunked.py``), in two forms with
-one calling convention: SciPy's BLAS ``?gemm`` (every dtype and shape: the portable path) and the
+one calling convention: SciPy's BLAS ``?gemm`` (every dtype and shape: the portable path, through
+``lowbit/ops/packed_matmul/_numba/_blas.py``) and the
 float32 register tiles of ``lowbit/ops/packed_matmul/_numba/_fma.py`` (6 x 64 accumulators,
 fused multiply-adds in a fixed order: deterministic), which need 64-column right operands:
 K = V = ``_numba_chunked.BLOCK`` = 64 (``tiles_fit``), on a CPU with AVX-512 or AVX2 + FMA.
@@ -28,25 +29,14 @@ Siblings: ``_numba_chunked.py`` (the kernels), ``_numba.py``, ``_numpy.py``; tes
 ``tests/test_gated_delta_scan_chunked.py``.
 """
 
-import llvmlite.binding
 import numba
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import get_cython_function_address, intrinsic
+from numba.extending import intrinsic
 
 from ..packed_matmul._numba import _fma
-
-for _name in ("sgemm", "dgemm"):
-    llvmlite.binding.add_symbol(f"lowbit_{_name}",
-                                get_cython_function_address("scipy.linalg.cython_blas", _name))
-# Fortran ?gemm(transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc): every argument a
-# pointer, passed as an address.
-_SGEMM = types.ExternalFunction("lowbit_sgemm", types.void(*([types.intp] * 13)))
-_DGEMM = types.ExternalFunction("lowbit_dgemm", types.void(*([types.intp] * 13)))
-_NO, _YES = ord("N"), ord("T")
-_INT = 4  # bytes of a Fortran integer in SciPy's LP64 BLAS
-
+from ..packed_matmul._numba._blas import gemm
 
 @numba.njit(cache=True)
 def uses_tiles(tiles):
@@ -61,33 +51,6 @@ def tiles_fit(dtype, nk, nv, block):
 
 
 @numba.njit(cache=True)
-def _gemm(a, ta, b, c, beta, ints, scalars):
-    """c = op(a) @ b + beta * c for row-major 2-D arrays (rows may be strided, columns
-    contiguous); op transposes when ta."""
-    m, n = c.shape
-    item = c.itemsize
-    # Row-major c is column-major c.T = b.T @ op(a).T: b goes first.
-    ints[0] = n
-    ints[1] = m
-    ints[2] = a.shape[0] if ta else a.shape[1]
-    ints[3] = b.strides[0] // item
-    ints[4] = a.strides[0] // item
-    ints[5] = c.strides[0] // item
-    ints[6] = _NO
-    ints[7] = _YES if ta else _NO
-    scalars[0] = 1
-    scalars[1] = beta
-    i = ints.ctypes.data
-    s = scalars.ctypes.data
-    args = (i + 6 * _INT, i + 7 * _INT, i, i + _INT, i + 2 * _INT, s, b.ctypes.data,
-            i + 3 * _INT, a.ctypes.data, i + 4 * _INT, s + item, c.ctypes.data, i + 5 * _INT)
-    if item == 4:
-        _SGEMM(*args)
-    else:
-        _DGEMM(*args)
-
-
-@numba.njit(cache=True)
 def product(a, rows, count, ta, panel, c, load, tiles, blas):
     """c[:rows] (+)= A @ panel[:count]: A = a[:rows, :count], or a[:count, :rows].T with ta
     (a, panel, c C-contiguous 2-D; panel and c of equal width, 64 for the tiles)."""
@@ -98,7 +61,7 @@ def product(a, rows, count, ta, panel, c, load, tiles, blas):
             _fma.panel_block(a, rows, si, sr, 0, panel, count, c, 0, load)
             return
     view = a[:count, :rows] if ta else a[:rows, :count]
-    _gemm(view, ta, panel[:count], c[:rows], 1 if load else 0, blas[0], blas[1])
+    gemm(view, ta, panel[:count], c[:rows], 1 if load else 0, blas[0], blas[1])
 
 
 @numba.njit(cache=True)

@@ -23,8 +23,9 @@ this package:
   columns to a float, and its per-thread workspaces (more rows, no VNNI);
 - ``_decode.py``: the weight decodings (float32 codes for the float BLAS tiles, packed float64
   fields for ``_gemm_f64.py``) and the field-major activation layout;
-- ``_backward.py``: ``dx`` for few rows (transposed GEMV) and without AVX-512 (decoded float32
-  tiles for BLAS), and the dequantized activations of ``dw``.
+- ``_backward.py``: ``dx`` for few rows (transposed GEMV), and where the tiles do not run both
+  products on SciPy's BLAS in blocks on Numba's threads (``dx_blocks``, ``dw_blocks``);
+- ``_blas.py``: SciPy's BLAS ``?gemm`` called from Numba kernels.
 
 An njit kernel here calls no njit function or intrinsic of another file (the float32 tile loop
 ``_fma.panel_block`` is also called from outside, by ``lowbit/ops/segmented_attention``'s
@@ -141,9 +142,9 @@ def matmul_dx(dy, data, scale_w, format, K):
     """dy: [M, N] float32 -> dx [M, K] float32 ``dy @ (codes_w * scale_w).T``.
 
     Few rows: the transposed GEMV kernel over packed bytes. More rows: the AVX-512 float32 tiles
-    of ``_fma.py`` decoding the codes on the fly (``USE_FMA``), or decoded float32 tiles and
-    NumPy's BLAS.
-    A per-tensor scale (ternary, sign) multiplies once at the end.
+    of ``_fma.py`` decoding the codes on the fly (``USE_FMA``), or SciPy's BLAS on tiles decoded
+    in each task (``_backward.dx_blocks``). A per-tensor scale (ternary, sign) multiplies once at
+    the end.
     """
     M, N = dy.shape
     dx = _backend.empty((M, K), np.float32)
@@ -153,10 +154,11 @@ def matmul_dx(dy, data, scale_w, format, K):
         scale = np.float32(scale_w if per_tensor else 1)
         _fma.dx_kernel(*_backend.read_only(g, data), _BITS[format], K, scale, _fma.KC, dx)
         return dx
-    if M <= GEMV_MAX_ROWS:
-        _backward.dx_gemv(g, data, format, K, dx)
-    else:
-        _backward.dx_tiled(g, data, format, K, dx)
+    if M > GEMV_MAX_ROWS:
+        _backward.dx_blocks(*_backend.read_only(g, data), format, K,
+                            scale_w if per_tensor else 1, dx)
+        return dx
+    _backward.dx_gemv(g, data, format, K, dx)
     if per_tensor:
         dx *= scale_w
     return dx
@@ -181,18 +183,16 @@ def matmul_dx_int(dy_codes, dy_scale, data, scale, format, K):
 
 def matmul_dw(dy, a, scale_a):
     """dw [K, N] float32 = ``Qa(x).T @ dy``: the AVX-512 float32 tiles of ``_fma.py``
-    (``USE_FMA``) or NumPy's BLAS on the dequantized activations.
+    (``USE_FMA``) or SciPy's BLAS on blocks of the dequantized activations
+    (``_backward.dw_blocks``).
 
     Args:
         a: [M, K] int8 codes (with ``scale_a`` [M] float32) or float32 activations (``scale_a``
             None); dy: [M, N] float32.
     """
-    dw = _backend.empty((a.shape[1], dy.shape[1]), np.float32)
     if not USE_FMA:
-        if scale_a is not None:
-            a = _backward.dequantize_rows(a, scale_a)
-        np.matmul(a.T, dy, out=dw)
-        return dw
+        return _backward.dw_blocks(*_backend.read_only(a, dy), scale_a)
+    dw = _backend.empty((a.shape[1], dy.shape[1]), np.float32)
     transposed = a.size >= DW_TRANSPOSE_MIN
     if scale_a is not None:
         a = _backward.dequantize_rows(a, scale_a, transposed)

@@ -1,24 +1,28 @@
-"""Backward kernels of the numba packed matmul: ``dx = dy @ Qw(w).T`` and the dequantized
-activations of ``dw``.
+"""Backward kernels of the numba packed matmul: ``dx = dy @ Qw(w).T`` and ``dw = Qa(x).T @ dy``
+where the float32 tiles of ``_fma.py`` do not run, and the dequantized activations of ``dw``.
 
 Siblings in ``lowbit/ops/packed_matmul/_numba/``: ``__init__.py`` (the backend functions
-``matmul_dx`` / ``matmul_dw``, which choose between these by row count), ``_decode.py``
-(``decode_codes_f32``, the tiles of ``dx_tiled``), ``_gemv.py``, ``_gemm_f64.py``, ``_vnni.py``.
+``matmul_dx`` / ``matmul_dw``, which choose between these by row count and CPU), ``_decode.py``
+(the field-major float32 decoding the dx tiles use), ``_blas.py`` (SciPy's BLAS from Numba),
+``_fma.py``, ``_gemv.py``, ``_vnni.py``.
 
-For few rows ``dx_gemv`` walks every packed weight row once (a transposed GEMV); for more rows
-on CPUs without AVX-512 ``dx_tiled`` decodes tiles of codes to float32 for BLAS (with AVX-512,
-``_fma.py`` runs instead). ``dw`` multiplies the dequantized saved activations
-(``dequantize_rows``, transposed for ``_fma.py``'s tiles).
+For few rows ``dx_gemv`` walks every packed weight row once (a transposed GEMV). For more rows
+``dx_blocks`` and ``dw_blocks`` run SciPy's BLAS one single-threaded call per block inside a
+Numba parallel region (BLAS held at one thread): each task decodes its slice of the weight codes
+(or dequantizes its activations) into cache right before its call, and no second thread pool
+spins against Numba's. The serial decode of whole 512-feature tiles between multithreaded BLAS
+calls it replaced spent 10-17 ms of a 59-72 ms dx on a 2-core EPYC Zen 4 (NumPy's ``dy @ w.T``:
+47-50 ms; the blocks: 45 ms). ``dequantize_rows`` feeds ``_fma.py``'s dw tiles.
 """
 
 import numba
 import numpy as np
 
+from .... import _backend
 from ...quantize import WEIGHT_FORMATS as _BITS
-from ._decode import decode_codes_f32
+from ._blas import gemm
+from ._decode import decode_codes_f32_into
 
-#: K columns of dx decoded per tile (a multiple of every format's codes per byte).
-TILE_K = 512
 #: Packed bytes of a weight row each task of the transposed GEMV covers (one cache line).
 DX_BLOCK_BYTES = 64
 
@@ -91,18 +95,121 @@ def dx_gemv(g, data, format, K, out):
     _dx_small(g, data, _BITS[format], K, out)
 
 
-def dx_tiled(g, data, format, K, out):
-    """out [M, K] float32 = ``g @ codes_w.T``: decode the codes of TILE_K input features for all
-    N outputs (field-major) and multiply with BLAS."""
+#: Input features (columns of dx) a task of ``_dx_blocks`` covers, weight rows (the sum over N)
+#: decoded per BLAS call, and rows of dy a task takes: a [1024, 256] float32 tile (1 MiB, in L2)
+#: per call, a [<= 1024, 256] partial product per task. Measured on a 2-core EPYC Zen 4 (OpenBLAS
+#: SkylakeX), M = 256, K = N = 4096 ternary: 45 ms (256 x 1024 tiles), 48 (128 x 4096), 56
+#: (512 x 4096), against 50 ms for NumPy's ``dy @ w.T`` and 59-72 ms for the serial decode of
+#: 512 whole columns at a time between multithreaded BLAS calls that this replaced.
+DX_COLS = 256
+DX_ROWS = 1024
+BLOCK_M = 1024
+
+
+@numba.njit(parallel=True, cache=True)
+def _dx_blocks(g, data, bits, K, scale, cols, rows, block_m, out):
+    """out[m, k] = (sum_n g[m, n] * code(k, n)) * scale, per task of ``cols`` input features
+    (a multiple of a byte's codes) and ``block_m`` rows: decode ``rows`` weight rows of the
+    task's features into a float32 tile (field-major, as ``decode_codes_f32``), multiply-add it
+    into the task's partial product with one single-threaded BLAS call, then put the columns back
+    in K order."""
     M, N = g.shape
-    per = 8 // _BITS[format]
-    for k0 in range(0, K, TILE_K):
-        k1 = min(K, k0 + TILE_K)
-        tile = decode_codes_f32(data, format, 0, N, k0, k1)
-        G = tile.shape[1] // per
-        # columns j * G + g of the product are K k0 + per * g + j: back to K order
-        part = (g @ tile).reshape(M, per, G).transpose(0, 2, 1).reshape(M, per * G)
-        out[:, k0:k1] = part[:, :k1 - k0]
+    per = 8 // bits
+    nk = -(-K // cols)
+    nm = -(-M // block_m)
+    for task in numba.prange(nk * nm):
+        k0 = (task // nm) * cols
+        k1 = min(K, k0 + cols)
+        m0 = (task % nm) * block_m
+        m1 = min(M, m0 + block_m)
+        G = -(-(k1 - k0) // per)
+        tile = np.empty((min(N, rows), per * G), np.float32)
+        part = np.empty((m1 - m0, per * G), np.float32)
+        ints = np.empty(8, np.int32)
+        scalars = np.empty(2, np.float32)
+        for n0 in range(0, N, rows):
+            n1 = min(N, n0 + rows)
+            decode_codes_f32_into(data, bits, n0, k0 // per, tile[:n1 - n0])
+            gemm(g[m0:m1, n0:n1], False, tile[:n1 - n0], part, 0.0 if n0 == 0 else 1.0, ints,
+                 scalars)
+        for i in range(m1 - m0):
+            src = part[i]
+            dst = out[m0 + i]
+            for j in range(per):
+                for q in range(G):
+                    k = k0 + per * q + j
+                    if k < k1:
+                        dst[k] = src[j * G + q] * scale
+
+
+def dx_blocks(g, data, format, K, scale, out):
+    """out [M, K] float32 = ``(g @ codes_w.T) * scale`` (``scale`` a float32 scalar) through
+    SciPy's BLAS on decoded tiles, one single-threaded call per block on Numba's threads."""
+    if g.shape[1] == 0:  # an empty sum
+        out[...] = 0
+        return
+    with _backend.single_threaded_blas():
+        _dx_blocks(g, data, _BITS[format], K, np.float32(scale), DX_COLS, DX_ROWS, BLOCK_M, out)
+
+
+@numba.njit(parallel=True, cache=True)
+def _dw_blocks(a, scale_a, g, rows, cols, block_m, out):
+    """out[k, n] = sum_m (a[m, k] * scale_a[m]) * g[m, n], per task of ``rows`` x ``cols``
+    outputs: the task's activations, dequantized ``block_m`` rows at a time, times ``g`` with
+    one single-threaded BLAS call each (the first overwrites, the next add)."""
+    M, K = a.shape
+    N = g.shape[1]
+    nk = -(-K // rows)
+    nn = -(-N // cols)
+    for task in numba.prange(nk * nn):
+        k0 = (task // nn) * rows
+        k1 = min(K, k0 + rows)
+        n0 = (task % nn) * cols
+        n1 = min(N, n0 + cols)
+        act = np.empty((min(M, block_m), k1 - k0), np.float32)
+        ints = np.empty(8, np.int32)
+        scalars = np.empty(2, np.float32)
+        for m0 in range(0, M, block_m):
+            m1 = min(M, m0 + block_m)
+            for i in range(m1 - m0):
+                s = scale_a[m0 + i]
+                src = a[m0 + i, k0:k1]
+                dst = act[i]
+                for k in range(k1 - k0):
+                    dst[k] = np.float32(src[k]) * s
+            gemm(act[:m1 - m0], True, g[m0:m1, n0:n1], out[k0:k1, n0:n1],
+                 0.0 if m0 == 0 else 1.0, ints, scalars)
+
+
+#: Least output rows (K) or columns (N) of one ``_dw_blocks`` task: below them a BLAS call
+#: spends more on its set-up and packing than on its products.
+DW_MIN = 64
+
+
+def dw_blocks(a, g, scale_a):
+    """dw [K, N] float32 = ``(a * scale_a[:, None]).T @ g`` (``a`` [M, K] int8 codes with
+    ``scale_a`` [M] float32, or float32 with ``scale_a`` None) through SciPy's BLAS, one
+    single-threaded call per block of the output.
+
+    As many blocks as Numba's thread pool has threads (``NUMBA_NUM_THREADS``, fixed for the
+    process: ``numba.set_num_threads`` does not move the blocks, so it cannot change the bits),
+    split along K, or also along N where K is short. Measured as ``DX_COLS``: 43 ms in two
+    blocks, 44 in four, 47-49 in eight or sixteen, against 48-53 ms for NumPy's ``x.T @ dy``.
+    """
+    M, K = a.shape
+    N = g.shape[1]
+    out = _backend.empty((K, N), np.float32)
+    scale_a = np.ones(M, np.float32) if scale_a is None else _backend.read_only(scale_a)
+    threads = numba.config.NUMBA_NUM_THREADS
+    rows = max(DW_MIN, -(-K // threads))
+    split = max(1, threads // -(-K // rows))  # column blocks where K gives too few rows
+    cols = max(DW_MIN, -(-N // split))
+    if M == 0 or K == 0 or N == 0:  # an empty sum, or nothing to write
+        out[...] = 0
+        return out
+    with _backend.single_threaded_blas():
+        _dw_blocks(a, scale_a, g, rows, cols, BLOCK_M, out)
+    return out
 
 
 # Serial: it feeds a BLAS call straight away, and a Numba parallel region just before one leaves

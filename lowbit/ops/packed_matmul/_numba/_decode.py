@@ -27,7 +27,7 @@ from ...quantize import WEIGHT_FORMATS as _BITS
 
 
 @numba.njit(cache=True)
-def _decode_codes_f32_into(data, bits, n0, g0, out):
+def decode_codes_f32_into(data, bits, n0, g0, out):
     """out[i, j * G + g] = float32 signed code of field j of byte g0 + g of row n0 + i, where
     G = out.shape[1] // (8 // bits)."""
     rows = out.shape[0]
@@ -56,7 +56,7 @@ def decode_codes_f32(data, format, n0, n1, k0, k1):
     per = 8 // bits
     G = -(-(k1 - k0) // per)
     out = np.empty((n1 - n0, per * G), dtype=np.float32)
-    _decode_codes_f32_into(data, bits, n0, k0 // per, out)
+    decode_codes_f32_into(data, bits, n0, k0 // per, out)
     return out
 
 
