@@ -81,7 +81,10 @@ AVX512_BLAS = frozenset({"skylakex", "cooperlake", "sapphirerapids", "mkl"})
 #: 256 x 4096 x 4096: sgemm 69 ms, dx 39 ms) and lose to one on 512-bit kernels (2-core Intel
 #: Xeon, OpenBLAS SkylakeX, the whole straight-through backward: tiles 137-155 ms, BLAS 98-124 ms,
 #: in alternation); the 256-bit tiles lose to OpenBLAS's Haswell kernels (2-core EPYC Zen 3, no
-#: AVX-512, the same backward: tiles 185-195 ms, BLAS 152-166 ms, NumPy f32 137-149 ms).
+#: AVX-512, the same backward: tiles 185-195 ms, BLAS 152-166 ms, NumPy f32 137-149 ms). Those
+#: BLAS figures are of the serial-decode path before ``_backward.dx_blocks``; on a 2-core EPYC
+#: Zen 4 (OpenBLAS SkylakeX, in alternation) the tiles ran it in 90-93 ms, the BLAS blocks in
+#: 90-95 ms, NumPy f32 in 96-100 ms.
 USE_FMA = _fma.WIDE and (_backend.numpy_blas_kernel() or "").lower() not in AVX512_BLAS
 #: Activation elements (M * K) from which ``matmul_dw`` transposes them for the AVX-512 tiles:
 #: read down the columns of a large A the tiles' loads conflict in L1 (one core, M = 256,

@@ -4,8 +4,9 @@ Siblings in ``lowbit/ops/packed_matmul/_numba/``: ``__init__.py`` (the backend f
 ``_gemv.py``, ``_gemm_f64.py`` (the user of ``decode_packed_f64``), ``_backward.py``,
 ``_vnni.py``. Two decodings:
 
-- ``decode_codes_f32``: one signed code per float32 (the float32 BLAS tiles of ``matmul_float``
-  and of ``dx``);
+- ``decode_codes_f32``: one signed code per float32 (the float32 BLAS tiles of
+  ``matmul_float``; ``decode_codes_f32_into``, into a given buffer, those of
+  ``_backward.dx_blocks``);
 - ``decode_packed_f64``: up to three weight columns' codes packed into one float64,
   ``w0 + 2^s w1 + 2^2s w2`` (the exact float64 GEMM of ``_gemm_f64.py``).
 
