@@ -106,6 +106,15 @@ DX_ROWS = 1024
 BLOCK_M = 1024
 
 
+@numba.njit(cache=True)
+def _task_ranges(task, inner, outer_size, outer_total, inner_size, inner_total):
+    """The two index ranges of block ``task`` of a grid walked ``inner`` blocks at a time:
+    ``(o0, o1, i0, i1)``, blocks of ``outer_size`` and ``inner_size``, cut at the totals."""
+    o0 = (task // inner) * outer_size
+    i0 = (task % inner) * inner_size
+    return o0, min(outer_total, o0 + outer_size), i0, min(inner_total, i0 + inner_size)
+
+
 @numba.njit(parallel=True, cache=True)
 def _dx_blocks(g, data, bits, K, scale, cols, rows, block_m, out):
     """out[m, k] = (sum_n g[m, n] * code(k, n)) * scale, per task of ``cols`` input features
@@ -118,10 +127,7 @@ def _dx_blocks(g, data, bits, K, scale, cols, rows, block_m, out):
     nk = -(-K // cols)
     nm = -(-M // block_m)
     for task in numba.prange(nk * nm):
-        k0 = (task // nm) * cols
-        k1 = min(K, k0 + cols)
-        m0 = (task % nm) * block_m
-        m1 = min(M, m0 + block_m)
+        k0, k1, m0, m1 = _task_ranges(task, nm, cols, K, block_m, M)
         G = -(-(k1 - k0) // per)
         tile = np.empty((min(N, rows), per * G), np.float32)
         part = np.empty((m1 - m0, per * G), np.float32)
@@ -162,10 +168,7 @@ def _dw_blocks(a, scale_a, g, rows, cols, block_m, out):
     nk = -(-K // rows)
     nn = -(-N // cols)
     for task in numba.prange(nk * nn):
-        k0 = (task // nn) * rows
-        k1 = min(K, k0 + rows)
-        n0 = (task % nn) * cols
-        n1 = min(N, n0 + cols)
+        k0, k1, n0, n1 = _task_ranges(task, nn, rows, K, cols, N)
         act = np.empty((min(M, block_m), k1 - k0), np.float32)
         ints = np.empty(8, np.int32)
         scalars = np.empty(2, np.float32)
