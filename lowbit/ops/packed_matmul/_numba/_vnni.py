@@ -318,7 +318,8 @@ def _gemm_dx_kernel(a, data, bits, K, xsum, scale_g, scale, out):
                 for i in range(nb):
                     # the four rows' bytes in one word: field f of each byte is one shift away
                     u = (np.uint32(r0[i]) | (np.uint32(r1[i]) << np.uint32(8))
-                         | (np.uint32(r2[i]) << np.uint32(16)) | (np.uint32(r3[i]) << np.uint32(24)))
+                         | (np.uint32(r2[i]) << np.uint32(16))
+                         | (np.uint32(r3[i]) << np.uint32(24)))
                     for f in range(per):
                         pq[per * i + f] = (u >> np.uint32(bits * f)) & lanes
                 continue
