@@ -1,9 +1,9 @@
 """The matrix products of the chunked gated delta rule (``_numba_chunked.py``), in two forms with
-one calling convention: SciPy's BLAS ``?gemm`` (every dtype and shape: the portable path, through
-``lowbit/ops/packed_matmul/_numba/_blas.py``) and the
-float32 register tiles of ``lowbit/ops/packed_matmul/_numba/_fma.py`` (6 x 64 accumulators,
-fused multiply-adds in a fixed order: deterministic), which need 64-column right operands:
-K = V = ``_numba_chunked.BLOCK`` = 64 (``tiles_fit``), on a CPU with AVX-512 or AVX2 + FMA.
+one calling convention: SciPy's BLAS ``?gemm`` (every dtype and shape: the portable path,
+through ``lowbit/ops/packed_matmul/_numba/_blas.py``) and the float32 register tiles of
+``lowbit/ops/packed_matmul/_numba/_fma.py`` (6 x 64 accumulators, fused multiply-adds in a fixed
+order: deterministic), which need 64-column right operands: K = V = ``_numba_chunked.BLOCK`` = 64
+(``tiles_fit``), on a CPU with AVX-512 or AVX2 + FMA.
 
 Why the tiles: OpenBLAS runs its AVX2 kernels on AMD Zen, and each of these small products
 also pays a BLAS call; here the tiles run the block products at ~250 GFLOP/s on one core,
@@ -37,6 +37,7 @@ from numba.extending import intrinsic
 
 from ..packed_matmul._numba import _fma
 from ..packed_matmul._numba._blas import gemm
+
 
 @numba.njit(cache=True)
 def uses_tiles(tiles):
