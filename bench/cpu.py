@@ -100,12 +100,14 @@ def kernels() -> dict:
     integer = ("avx512-vnni" if pm.USE_VNNI else
                ("avx-vnni" if _avx2.AVX_VNNI else "avx2") if pm.USE_AVX2 else None)
     tiles = "avx512-fma tiles" if _fma.WIDE else "avx2-fma tiles"
-    fma = tiles if pm.USE_FMA else "numpy's BLAS"
+    fma = tiles if pm.USE_FMA else "SciPy's BLAS in blocks"
     mkl = "onemkl amx" if pm.USE_MKL else None
     return {
         "packed_matmul gemv (<= 32 rows)": integer or "portable gemv",
         "packed_matmul gemm": mkl or integer or "portable float64-BLAS gemm",
-        "packed_matmul dx": fma if pm.USE_FMA else "numpy's BLAS on decoded float32 tiles",
+        "packed_matmul float x (ternary, sign)": "table lookups",
+        "packed_matmul dx (ternary, sign)": "table lookups",
+        "packed_matmul dx (int8)": fma,
         "packed_matmul dx, int8 gradients": mkl or integer or "float64 BLAS",
         "packed_matmul dw": fma,
         "segmented_attention": tiles if attention.USE_FMA else "BLAS",

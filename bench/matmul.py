@@ -119,6 +119,17 @@ def _kernel(backend):
     return "portable"
 
 
+def _float_kernel(backend, grad=False):
+    """Which numba kernels the float-activation rows run for ternary weights: the table lookups
+    (``_lut.py``), and for the exact backward also dw's (FMA tiles or BLAS blocks)."""
+    if _kernel(backend) == "-":
+        return "-"
+    from lowbit.ops.packed_matmul import _numba
+    if not grad:
+        return "lut"
+    return "lut dx, " + ("fma tiles dw" if _numba.USE_FMA else "blas blocks dw")
+
+
 def _torch_cases(x, w, prefix, baseline):
     try:
         import torch
@@ -239,7 +250,7 @@ def cases(config: Config):
                    baseline="gemm numpy f32", target=1.0 if (fmt, act) == ("ternary", "int8")
                    else None, flops=2.0 * M * K * N,
                    info={"shape": f"{M}x{K}x{N}", "format": f"{fmt}/{act}", "weight B": p.nbytes,
-                         "kernel": _kernel(backend) if act else "-",
+                         "kernel": _kernel(backend) if act else _float_kernel(backend),
                          "weight saving": round(w.nbytes / p.nbytes, 1)})
     yield from _torch_cases(xm, w, "gemm", "gemm numpy f32")
 
@@ -326,7 +337,8 @@ def _backward_cases(backend, label, rng, xm, w, M, K, N):
             with _maybe(backend):
                 return lowbit.linear_backward(dy, ctx, grad_format=grad_format)
 
-        row = dict(info, grad=grad_format or "float32")
+        row = dict(info, grad=grad_format or "float32",
+                   kernel=_float_kernel(backend, True) if grad_format is None else _kernel(backend))
 
         def check(fn=fn, grad_format=grad_format, row=row):
             _check_backward_small(backend, grad_format)

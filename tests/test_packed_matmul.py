@@ -4,7 +4,8 @@ Every backend against ``reference/packed_matmul.py`` (forward, both gradients, a
 with ``grad_format="int8"`` bit for bit), the reference backward against central finite
 differences, ctx byte accounting, bad input. Kernels: ``cuda/packed_matmul.cu`` (GEMV,
 tensor-core GEMM twin, dx, dw under cudasim; their edges: ``tests/test_packed_matmul_cuda.py``);
-numba's FMA tiles at their edges.
+numba's float products (table lookups, FMA tiles, BLAS blocks) at their edges:
+``tests/test_packed_matmul_float.py``.
 """
 
 import numpy as np
@@ -212,106 +213,6 @@ def test_linear_matches_reference(backend, rng, weight_format, act_format, M, K,
     assert dx.dtype == np.float32 and dw.dtype == np.float32
     for name, before, arr in zip(("x", "w", "dy"), keep, (x, w, dy)):
         np.testing.assert_array_equal(before, arr, err_msg=name)
-
-
-@pytest.mark.parametrize("weight_format", FORMATS)
-def test_backward_tiles_at_their_edges(monkeypatch, backend, rng, weight_format):
-    """Shapes around the numba FMA tiles of dx and dw (6 rows, 64 columns, 256 reduction
-    steps a panel block), which run here wherever the CPU has AVX-512 (whatever ``USE_FMA``
-    chose from NumPy's BLAS): 9 and 13 rows, K and N across 64 and past 256, M past one dw
-    block; dw from codes and from float activations."""
-    from lowbit.ops.packed_matmul import _numba
-
-    monkeypatch.setattr(_numba, "USE_FMA", _numba._fma.AVAILABLE)
-    cases = ([(9, 45, 11)] if backend.name == "cudasim"
-             else [(9, 1, 1), (9, 65, 257), (257, 7, 65)])
-    for M, K, N in cases:
-        x, w = _data(rng, M, K, N)
-        dy = rng.standard_normal((M, N)).astype(np.float32)
-        _, ctx = lowbit.linear_forward(backend.to(x), backend.to(w), weight_format, "int8")
-        dx, dw = lowbit.linear_backward(backend.to(dy), ctx)
-        rdx, rdw = linear_bwd_ref(dy, x, w, weight_format, "int8")
-        assert_close(f"dx {M}x{K}x{N}", rdx, dx, rtol=1e-5)
-        assert_close(f"dw {M}x{K}x{N}", rdw, dw, rtol=1e-5)
-        _, ctx = lowbit.linear_forward(backend.to(x), backend.to(w), weight_format, None)
-        _, dw = lowbit.linear_backward(backend.to(dy), ctx)
-        assert_close(f"dw float x {M}x{K}x{N}", linear_bwd_ref(dy, x, w, weight_format, None)[1],
-                     dw, rtol=1e-5)
-
-
-@pytest.mark.parametrize("act_format", ["int8", None])
-def test_numba_dw_from_transposed_activations(monkeypatch, rng, act_format):
-    """numba's dw tiles (where the CPU has AVX-512) on activations transposed first (what large
-    ones get), at the edges of the tiles and past one reduction block."""
-    from lowbit.ops.packed_matmul import _numba
-
-    monkeypatch.setattr(_numba, "DW_TRANSPOSE_MIN", 1)
-    monkeypatch.setattr(_numba, "USE_FMA", _numba._fma.AVAILABLE)
-    for M, K, N in [(9, 65, 70), (257, 7, 65)]:
-        x, w = _data(rng, M, K, N)
-        dy = rng.standard_normal((M, N)).astype(np.float32)
-        with lowbit.use_backend("numba"):
-            _, ctx = lowbit.linear_forward(x, w, "ternary", act_format)
-            _, dw = lowbit.linear_backward(dy, ctx)
-        assert_close(f"dw {M}x{K}x{N}", linear_bwd_ref(dy, x, w, "ternary", act_format)[1], dw,
-                     rtol=1e-5)
-
-
-@pytest.mark.parametrize("weight_format", FORMATS)
-def test_numba_backward_without_avx512(monkeypatch, rng, weight_format):
-    """The numba backward where the CPU has neither AVX-512 kernel family: BLAS on decoded tiles
-    (exact gradients) and float64 BLAS on the codes (int8 gradients)."""
-    from lowbit.ops.packed_matmul import _numba
-
-    monkeypatch.setattr(_numba, "USE_FMA", False)
-    monkeypatch.setattr(_numba, "USE_VNNI", False)
-    monkeypatch.setattr(_numba, "USE_AVX2", False)
-    x, w = _data(rng, 9, 70, 67)
-    dy = rng.standard_normal((9, 67)).astype(np.float32)
-    with lowbit.use_backend("numba"):
-        _, ctx = lowbit.linear_forward(x, w, weight_format, "int8")
-        dx, dw = lowbit.linear_backward(dy, ctx)
-        idx, idw = lowbit.linear_backward(dy, ctx, grad_format="int8")
-    rdx, rdw = linear_bwd_ref(dy, x, w, weight_format, "int8")
-    assert_close("dx", rdx, dx, rtol=1e-5)
-    assert_close("dw", rdw, dw, rtol=1e-5)
-    rdx, rdw = linear_bwd_int8_ref(dy, x, w, weight_format, "int8")
-    assert_equal("dx int8", rdx, idx)
-    assert_equal("dw int8", rdw, idw)
-
-
-@pytest.mark.parametrize("weight_format", FORMATS)
-def test_numba_backward_blas_blocks(monkeypatch, rng, weight_format):
-    """The numba exact backward on SciPy's BLAS blocks (``_backward.dx_blocks`` /
-    ``dw_blocks``, what runs where the float32 tiles do not), with blocks shrunk so that small
-    shapes cross them: K past several dx blocks of 16 features and not a multiple of a byte's
-    codes, N past tiles of 24 decoded weight rows (the partial products added up), M past
-    blocks of 10 rows, dw from codes and from float activations, split along K and (K shorter
-    than a block) along N; then one shape at the real block sizes."""
-    from lowbit.ops.packed_matmul import _numba
-    from lowbit.ops.packed_matmul._numba import _backward
-
-    monkeypatch.setattr(_numba, "USE_FMA", False)
-    with monkeypatch.context() as small:
-        for name, value in (("DX_COLS", 16), ("DX_ROWS", 24), ("BLOCK_M", 10),
-                            ("DW_MIN", 8)):
-            small.setattr(_backward, name, value)
-        cases = [(23, 37, 53), (9, 3, 40)]
-        _check_backward_blocks(rng, weight_format, cases)
-    _check_backward_blocks(rng, weight_format, [(1030, 9, 17)])
-
-
-def _check_backward_blocks(rng, weight_format, cases):
-    for M, K, N in cases:
-        x, w = _data(rng, M, K, N)
-        dy = rng.standard_normal((M, N)).astype(np.float32)
-        with lowbit.use_backend("numba"):
-            for act in ("int8", None):
-                _, ctx = lowbit.linear_forward(x, w, weight_format, act)
-                dx, dw = lowbit.linear_backward(dy, ctx)
-                rdx, rdw = linear_bwd_ref(dy, x, w, weight_format, act)
-                assert_close(f"dx {M}x{K}x{N} {act}", rdx, dx, rtol=1e-5)
-                assert_close(f"dw {M}x{K}x{N} {act}", rdw, dw, rtol=1e-5)
 
 
 # (weight_format, act_format, M, K, N): one row (the GEMV kernels forward), 6-row tiles with a

@@ -13,7 +13,8 @@ codes at the edges of the int16 bounds (activation and gradient code -128, every
 at its largest), and asserts which kernel ran. AVX-VNNI code is compiled for Alder Lake and its
 assembly checked for the VEX-encoded ``vpdpbusd``; it runs only where the host CPU has AVX-VNNI.
 The float32 register tiles of ``_fma.py`` (the exact backward's, attention's and the low-rank
-residual's products) compiled for Haswell must give the host's bits.
+residual's products) and the table-lookup products of ``_lut.py`` compiled for Haswell must give
+the host's bits.
 """
 
 import os
@@ -183,16 +184,40 @@ def _tile_digest():
     return f"{'wide' if _fma.WIDE else 'avx2'} {h.hexdigest()}"
 
 
+def _lut_digest():
+    """SHA-256 of the table-lookup products' results (``_lut.py``: the forward and dx of ternary
+    and sign weights, row tiles with a remainder, tables across blocks): the same float32 adds in
+    the same order on 16-lane (zmm) and two 8-lane (ymm) vectors."""
+    import hashlib
+
+    from lowbit.ops.packed_matmul import _numba
+    from lowbit.reference.quantize import quantize_weight_ref
+
+    rng = np.random.default_rng(12)
+    h = hashlib.sha256()
+    for format in ("ternary", "sign"):
+        for M, K, N in [(5, 70, 53), (21, 130, 9)]:
+            data, scale = quantize_weight_ref(rng.standard_normal((K, N)), format)
+            x = rng.standard_normal((M, K)).astype(np.float32)
+            dy = rng.standard_normal((M, N)).astype(np.float32)
+            h.update(_numba.matmul_float(x, data, scale, format, K).tobytes())
+            h.update(_numba.matmul_dx(dy, data, np.float32(scale), format, K).tobytes())
+    return h.hexdigest()
+
+
 @pytest.mark.skipif(cpu.target_refusal("haswell") is not None,
                     reason="this CPU cannot execute code compiled for Haswell")
 def test_haswell_float_tiles_equal_host(tmp_path):
     """The float32 tiles compiled for Haswell (256-bit, four passes of 16 columns a panel) give
-    the host's tiles' bits (512-bit where it has AVX-512: the comparison that matters)."""
+    the host's tiles' bits (512-bit where it has AVX-512: the comparison that matters); so do
+    the table-lookup products."""
     out = _subprocess(tmp_path, "haswell", HASWELL,
-                      "import test_packed_matmul_targets as t; print(t._tile_digest())")
-    forced = out.strip().splitlines()[-1]
-    assert forced.startswith("avx2 ")
-    assert forced.split()[1] == _tile_digest().split()[1]
+                      "import test_packed_matmul_targets as t; print(t._tile_digest()); "
+                      "print(t._lut_digest())")
+    tiles, tables = out.strip().splitlines()[-2:]
+    assert tiles.startswith("avx2 ")
+    assert tiles.split()[1] == _tile_digest().split()[1]
+    assert tables == _lut_digest()
 
 
 _ASM = """

@@ -17,7 +17,10 @@ this package:
 - ``_fma.py``: float32 register-tile GEMMs (AVX-512, or AVX2 with FMA) of the exact backward,
   ``dx`` decoding the packed codes into its panels and ``dw`` (used where ``USE_FMA``: the CPU
   has AVX-512 and NumPy's BLAS does not run 512-bit kernels of its own);
-- ``_llvm.py``: the IR helpers both files' intrinsics are emitted with;
+- ``_lut.py``: table lookups for ternary and sign weights against float32 (the exact backward's
+  ``dx`` and the float-activation forward, from ``LUT_MIN_ROWS`` rows, on every CPU): one float
+  add of a table entry per four codes;
+- ``_llvm.py``: the IR helpers the intrinsics are emitted with;
 - ``_gemv.py``: the portable GEMV over packed bytes (few rows, no VNNI, no AVX2);
 - ``_gemm_f64.py``: the portable GEMM, exact integer products in float64 BLAS with three weight
   columns to a float, and its per-thread workspaces (more rows, no VNNI);
@@ -38,6 +41,7 @@ which keys each kernel on its own file only, so ``numba_cache_guard`` below rest
 whenever one of its files or that owner changes.
 """
 
+import numba
 import numpy as np
 
 from .... import _backend
@@ -47,8 +51,8 @@ _backend.numba_cache_guard(__file__, _quantize.__file__)
 
 from ...quantize import WEIGHT_FORMATS as _BITS  # noqa: E402
 from .. import _numpy  # noqa: E402
-from . import (_avx2, _avx2_gemm, _backward, _decode, _fma, _gemm_f64, _gemv, _mkl,  # noqa: E402
-               _vnni)
+from . import (_avx2, _avx2_gemm, _backward, _decode, _fma, _gemm_f64, _gemv, _lut,  # noqa: E402
+               _mkl, _vnni)
 
 #: Whether the integer GEMM (more rows than ``MKL_MIN_ROWS``) and the dx of int8 gradients run on
 #: oneMKL's ``cblas_gemm_s8u8s32`` (``_mkl.py``): where the CPU has AMX and ``lowbit[mkl]`` is
@@ -96,6 +100,31 @@ USE_FMA = _fma.WIDE and (_backend.numpy_blas_kernel() or "").lower() not in AVX5
 DW_TRANSPOSE_MIN = 1 << 20
 #: Output columns decoded per float32 BLAS tile in ``matmul_float`` (the tile stays in L2/L3).
 TILE_N = 512
+#: Rows from which the float products of ternary and sign weights (``matmul_float``,
+#: ``matmul_dx``) run the table-lookup kernels of ``_lut.py``. Their tables cost about as much
+#: for one row as for 16 (one row's lanes of 16), so the other paths win below: 2-core EPYC
+#: Zen 4, K = N = 4096 ternary, dx at 1 / 2 / 4 / 8 / 16 rows 3.0 / 2.9 / 3.0 / 3.0 / 3.2 ms
+#: against the transposed GEMV's 1.3 / 2.6 / 5.2 / 10.4 / 24 and the BLAS blocks' 1.9 / 2.0 /
+#: 4.7 / 5.5 / 6.7; the forward at 1 / 4 rows 8.4-12 / 8.4-8.8 ms against the decoded BLAS
+#: tiles' 6.4 / 12-17.
+LUT_MIN_ROWS = 4
+
+
+def _lut_product(a, data, format, K, scale_w, columns):
+    """``(a @ codes.T) * scale_w`` (forward: reduction over the packed codes of a weight row) or,
+    with ``columns``, ``a @ codes * scale_w`` (dx: reduction over the weight rows) through
+    ``_lut.gemm``; None where a ternary field holds no code (3), which the caller's other path
+    reads as a code of 2, as the reference does."""
+    bits = _BITS[format]
+    off, ok = _lut.offsets_cols(data, bits, K) if columns else _lut.offsets_rows(data, bits)
+    if not ok:
+        return None
+    per_column = scale_w.ndim > 0 and not columns
+    out = _backend.empty((a.shape[0], K if columns else data.shape[0]), np.float32)
+    _lut.gemm(*_backend.read_only(a, off), bits, 8 // bits if columns else 1,
+              np.float32(1 if per_column else scale_w),
+              scale_w if per_column else np.empty(0, np.float32), numba.get_num_threads(), out)
+    return out
 
 
 def matmul_int(codes_x, scale_x, data, scale_w, format, K):
@@ -130,11 +159,18 @@ def matmul_int(codes_x, scale_x, data, scale_w, format, K):
 def matmul_float(x, data, scale_w, format, K):
     """x: [M, K] float32 -> [M, N] float32 ``(x @ codes_w) * scale_w``, float32 accumulation.
 
-    Decodes TILE_N output columns at a time to float32, field-major, and multiplies them with
-    the activations permuted to match (BLAS).
+    Ternary and sign weights from ``LUT_MIN_ROWS`` rows: the table-lookup kernels of
+    ``_lut.py``. Else decodes TILE_N output columns at a time to float32, field-major, and
+    multiplies them with the activations permuted to match (BLAS).
     """
     M = x.shape[0]
     N, nbytes = data.shape
+    if scale_w.size == 1:  # one scale, as a 0-d or a 1-value array
+        scale_w = scale_w.reshape(())
+    if format != "int8" and M >= LUT_MIN_ROWS:
+        y = _lut_product(x, data, format, K, scale_w, False)
+        if y is not None:
+            return y
     xs = _decode.field_major(x, 8 // _BITS[format], nbytes)
     y = _backend.empty((M, N), np.float32)
     for n0 in range(0, N, TILE_N):
@@ -147,15 +183,20 @@ def matmul_float(x, data, scale_w, format, K):
 def matmul_dx(dy, data, scale_w, format, K):
     """dy: [M, N] float32 -> dx [M, K] float32 ``dy @ (codes_w * scale_w).T``.
 
-    Few rows: the transposed GEMV kernel over packed bytes. More rows: the AVX-512 float32 tiles
-    of ``_fma.py`` decoding the codes on the fly (``USE_FMA``), or SciPy's BLAS on tiles decoded
-    in each task (``_backward.dx_blocks``). A per-tensor scale (ternary, sign) multiplies once at
-    the end.
+    Ternary and sign weights from ``LUT_MIN_ROWS`` rows: the table-lookup kernels of ``_lut.py``.
+    Else few rows: the transposed GEMV kernel over packed bytes; more rows: the AVX-512 float32
+    tiles of ``_fma.py`` decoding the codes on the fly (``USE_FMA``), or SciPy's BLAS on tiles
+    decoded in each task (``_backward.dx_blocks``). A per-tensor scale multiplies once at the
+    end.
     """
     M, N = dy.shape
-    dx = _backend.empty((M, K), np.float32)
     per_tensor = scale_w.ndim == 0
     g = dy if per_tensor else np.ascontiguousarray(dy * scale_w, dtype=np.float32)
+    if format != "int8" and M >= LUT_MIN_ROWS:
+        dx = _lut_product(g, data, format, K, np.float32(scale_w if per_tensor else 1), True)
+        if dx is not None:
+            return dx
+    dx = _backend.empty((M, K), np.float32)
     if M > GEMV_MAX_ROWS and USE_FMA:
         scale = np.float32(scale_w if per_tensor else 1)
         _fma.dx_kernel(*_backend.read_only(g, data), _BITS[format], K, scale, _fma.KC, dx)
