@@ -1,16 +1,17 @@
 """Tests of the numba packed matmul's float32 products: the exact straight-through backward's dx
 and dw, and the forward with float activations (``lowbit/ops/packed_matmul/_numba/``).
 
-The table-lookup products of ternary and sign weights (``_lut.py``: ``matmul_float`` and
-``matmul_dx`` from ``LUT_MIN_ROWS`` rows) are checked twice: against ``reference/packed_matmul.py``'s float64 products (float32
-tolerance), and bit for bit against ``_lut_oracle`` below, a NumPy statement of the summation
-order the kernels document (each group of four codes summed in order of its codes, the groups
-added in order, then scaled), independent of how the kernels lay out their tables, tiles and
-threads. Shapes cross the kernels' edges: row tiles of 16 with remainders, fewer row tiles than
-threads (columns shared), column tiles of 6, blocks of tables, reductions not a multiple of 4,
-dx over weight rows not a multiple of 4. Also: per-row scales, a ternary field of 3 (the other
-path runs, as the reference reads it), the thread count not changing a bit, and (in
-``tests/test_packed_matmul_targets.py``) the Haswell build giving the host's bits.
+The table-lookup products of ternary and sign weights (``_lut.py``: ``matmul_float``, and
+``matmul_dx`` from ``LUT_MIN_ROWS`` rows) are checked twice: against
+``reference/packed_matmul.py``'s float64 products (float32 tolerance), and bit for bit against
+``_lut_oracle`` below, a NumPy statement of the summation order the kernels document (each group
+of four codes summed in order of its codes, the groups added in order, then scaled), independent
+of how the kernels lay out their tables, tiles and threads. Shapes cross the kernels' edges: row
+tiles of 16 with remainders, fewer row tiles than threads (columns shared), column tiles of 6,
+blocks of tables, reductions not a multiple of 4, dx over weight rows not a multiple of 4. Also:
+per-row scales, a ternary field of 3 (the other path runs, as the reference reads it), the thread
+count not changing a bit, and (in ``tests/test_packed_matmul_targets.py``) the Haswell build
+giving the host's bits.
 
 The FMA tiles (``_fma.py``) and the BLAS blocks (``_backward.py``), with the tables held off
 (they still run for int8 weights and wherever a table cannot), at their edges against the
@@ -30,9 +31,11 @@ from lowbit.reference.quantize import quantize_weight_ref, unpack_weight_ref
 
 FORMATS = ("ternary", "sign")
 ALL_FORMATS = ("ternary", "sign", "int8")
-# (M, K, N): the fewest rows, one row tile shared by column ranges, 16-row tiles and a
+# (M, K, N): one row (the forward's tables; dx's transposed GEMV), the fewest rows of dx's
+# tables, one row tile shared by column ranges, 16-row tiles and a
 # remainder, reductions across blocks of tables both ways, one output column, a long K.
-SHAPES = [(4, 1, 1), (5, 13, 7), (17, 70, 53), (33, 29, 130), (20, 9, 1030), (6, 4097, 3)]
+SHAPES = [(1, 37, 5), (2, 9, 70), (4, 1, 1), (5, 13, 7), (17, 70, 53), (33, 29, 130),
+          (20, 9, 1030), (6, 4097, 3)]
 
 
 def _lut_oracle(a, codes, scale):
@@ -85,15 +88,17 @@ def test_lut_forward_and_dx(rng, lut_calls, format):
             calls = lut_calls[0]
             y = _numba.matmul_float(x, data, scale, format, K)
             dx = _numba.matmul_dx(dy, data, scale, format, K)
-            assert lut_calls[0] == calls + 2, name
+            tables = M >= _numba.LUT_MIN_ROWS
+            assert lut_calls[0] == calls + 1 + tables, name
             assert_close(f"y {name}", packed_matmul_ref(x, data, scale, format, K, None), y,
                          rtol=1e-5)
             assert_equal(f"y oracle {name}", _lut_oracle(x, codes, scale), y)
             w = codes * scale
             assert_close(f"dx {name}", dy.astype(np.float64) @ w.T, dx, rtol=1e-5)
-            g = dy * scale if per_row else dy
-            assert_equal(f"dx oracle {name}",
-                         _lut_oracle(g, codes.T, 1 if per_row else scale), dx)
+            if tables:
+                g = dy * scale if per_row else dy
+                assert_equal(f"dx oracle {name}",
+                             _lut_oracle(g, codes.T, 1 if per_row else scale), dx)
 
 
 @pytest.mark.parametrize("format", FORMATS)
@@ -131,15 +136,17 @@ def test_lut_ternary_field_of_three_takes_the_other_path(rng, lut_calls):
     assert not ok and not _lut.offsets_cols(data, 2, K)[1]
 
 
-def test_one_scale_as_an_array_of_one(rng):
-    """A weight's single scale given as a [1] array: the tables (9 rows) and the decoded BLAS
-    tiles (2 rows, N past one tile of columns) both apply it to every column."""
+@pytest.mark.parametrize("format", ["ternary", "int8"])
+def test_one_scale_as_an_array_of_one(rng, format):
+    """A weight's single scale given as a [1] array applies to every column: the tables
+    (ternary) and the decoded BLAS tiles (int8 weights, N past one tile of columns)."""
     K, N = 70, 700
-    data, scale = _weight(rng, "ternary", K, N)
-    for M in (2, 9):
+    data, scale = _weight(rng, format, K, N)
+    scale = np.float32(scale.reshape(-1)[0])
+    for M in (1, 9):
         x = rng.standard_normal((M, K)).astype(np.float32)
-        y = _numba.matmul_float(x, data, scale.reshape(1), "ternary", K)
-        assert_close(f"y {M} rows", packed_matmul_ref(x, data, scale, "ternary", K, None), y,
+        y = _numba.matmul_float(x, data, np.full(1, scale), format, K)
+        assert_close(f"y {M} rows", packed_matmul_ref(x, data, scale, format, K, None), y,
                      rtol=1e-5)
 
 
@@ -174,8 +181,8 @@ def test_backward_tiles_at_their_edges(monkeypatch, backend, rng, weight_format)
     """Shapes around the numba FMA tiles of dx and dw (6 rows, 64 columns, 256 reduction
     steps a panel block), which run here wherever the CPU has AVX-512 (whatever ``USE_FMA``
     chose from NumPy's BLAS): 9 and 13 rows, K and N across 64 and past 256, M past one dw
-    block; dw from codes and from float activations. Ternary and sign dx (and forward) tables
-    held off: they would take those rows (``tests/test_packed_matmul_lut.py``)."""
+    block; dw from codes and from float activations. Ternary and sign dx tables held off: they
+    would take those rows (tested above)."""
     monkeypatch.setattr(_numba, "USE_FMA", _numba._fma.AVAILABLE)
     monkeypatch.setattr(_numba, "LUT_MIN_ROWS", 1 << 30)
     cases = ([(9, 45, 11)] if backend.name == "cudasim"

@@ -17,8 +17,8 @@ this package:
 - ``_fma.py``: float32 register-tile GEMMs (AVX-512, or AVX2 with FMA) of the exact backward,
   ``dx`` decoding the packed codes into its panels and ``dw`` (used where ``USE_FMA``: the CPU
   has AVX-512 and NumPy's BLAS does not run 512-bit kernels of its own);
-- ``_lut.py``: table lookups for ternary and sign weights against float32 (the exact backward's
-  ``dx`` and the float-activation forward, from ``LUT_MIN_ROWS`` rows, on every CPU): one float
+- ``_lut.py``: table lookups for ternary and sign weights against float32 (the float-activation
+  forward, and the exact backward's ``dx`` from ``LUT_MIN_ROWS`` rows, on every CPU): one float
   add of a table entry per four codes;
 - ``_llvm.py``: the IR helpers the intrinsics are emitted with;
 - ``_gemv.py``: the portable GEMV over packed bytes (few rows, no VNNI, no AVX2);
@@ -100,14 +100,14 @@ USE_FMA = _fma.WIDE and (_backend.numpy_blas_kernel() or "").lower() not in AVX5
 DW_TRANSPOSE_MIN = 1 << 20
 #: Output columns decoded per float32 BLAS tile in ``matmul_float`` (the tile stays in L2/L3).
 TILE_N = 512
-#: Rows from which the float products of ternary and sign weights (``matmul_float``,
-#: ``matmul_dx``) run the table-lookup kernels of ``_lut.py``. Their tables cost about as much
-#: for one row as for 16 (one row's lanes of 16), so the other paths win below: 2-core EPYC
-#: Zen 4, K = N = 4096 ternary, dx at 1 / 2 / 4 / 8 / 16 rows 3.0 / 2.9 / 3.0 / 3.0 / 3.2 ms
-#: against the transposed GEMV's 1.3 / 2.6 / 5.2 / 10.4 / 24 and the BLAS blocks' 1.9 / 2.0 /
-#: 4.7 / 5.5 / 6.7; the forward at 1 / 4 rows 8.4-12 / 8.4-8.8 ms against the decoded BLAS
-#: tiles' 6.4 / 12-17.
-LUT_MIN_ROWS = 4
+#: Rows from which ``matmul_dx`` of ternary and sign weights runs the table-lookup kernels of
+#: ``_lut.py`` (the forward, ``matmul_float``, runs them from one row). Their tables cost about
+#: as much for one row as for 16 (one row's lanes of 16): 2-core EPYC Zen 4, K = N = 4096
+#: ternary, dx at 1 / 2 / 4 / 16 rows 2.6-2.9 / 2.2-2.4 / 2.2-2.5 / 2.3-2.6 ms against the
+#: transposed GEMV's 1.5-1.9 / 2.9 / 6.5 / 22-28 and the BLAS blocks' 2.1 / 2.0-2.5 / 4.8-5.0 /
+#: 6.9-7.5; the forward at one row 3.9-4.7 ms against the decoded BLAS tiles' 4.0-4.5 (sign
+#: 2.5-2.7 against 3.8-5.5), at 4 rows 4.4-6.7 against 14.8-15.4.
+LUT_MIN_ROWS = 2
 
 
 def _lut_product(a, data, format, K, scale_w, columns):
@@ -159,15 +159,15 @@ def matmul_int(codes_x, scale_x, data, scale_w, format, K):
 def matmul_float(x, data, scale_w, format, K):
     """x: [M, K] float32 -> [M, N] float32 ``(x @ codes_w) * scale_w``, float32 accumulation.
 
-    Ternary and sign weights from ``LUT_MIN_ROWS`` rows: the table-lookup kernels of
-    ``_lut.py``. Else decodes TILE_N output columns at a time to float32, field-major, and
+    Ternary and sign weights: the table-lookup kernels of ``_lut.py``. Else (int8 weights, or
+    a ternary field of 3) decodes TILE_N output columns at a time to float32, field-major, and
     multiplies them with the activations permuted to match (BLAS).
     """
     M = x.shape[0]
     N, nbytes = data.shape
     if scale_w.size == 1:  # one scale, as a 0-d or a 1-value array
         scale_w = scale_w.reshape(())
-    if format != "int8" and M >= LUT_MIN_ROWS:
+    if format != "int8":
         y = _lut_product(x, data, format, K, scale_w, False)
         if y is not None:
             return y

@@ -37,8 +37,9 @@ Measured on a 2-core AMD EPYC Zen 4 (in alternation, M = 256, K = N = 4096 terna
 (the slots 1 ms of it) against 46-49 for the BLAS blocks, 48 for the AVX-512 tiles of ``_fma.py``
 and 47-55 for NumPy's ``dy @ w.T`` (OpenBLAS SkylakeX); compiled for Haswell 25-35 against 51-54
 for the blocks, 43 for the 256-bit tiles and 43-57 for NumPy on OpenBLAS's Haswell kernels. Sign
-weights (16-entry tables): 25-27 ms. The forward (``matmul_float``): 30-36 ms against 56-58 for
-the decoded BLAS tiles and 45-46 for NumPy.
+weights (16-entry tables): 24-27 ms. The forward (``matmul_float``): 27-36 ms against 56-62 for
+the decoded BLAS tiles and 45-46 for NumPy. At the main job's shapes (M = 512, a reduction of 512,
+128 outputs) dx takes 0.37-0.39 ms against 0.75 for the blocks and 0.40-0.47 for NumPy.
 """
 
 import numba
@@ -106,42 +107,63 @@ def _tile(typingctx, lut, off, o0, stride, count, acc, a0):
     return sig, codegen
 
 
+def _table(bits):
+    """Intrinsic ``table(xt, r0, lut, e0)``: one group's table into rows ``e0 ..`` of ``lut``
+    from rows ``r0 .. r0 + 3`` of the transposed activations ``xt`` (C-contiguous float32
+    [*, LANES] both): entry ``s`` holds ``sum_i code_i(s) * xt[r0 + i]``, added in order of i
+    (ternary: s = sum_i 3^i (code_i + 1), 81 entries; sign: s = sum_i 2^i (code_i + 1) / 2, 16).
+    Each entry is a 16-lane vector value made from the entry of the codes before its last one
+    (a code 0 keeps it as it is) and stored as soon as it is made. Numba's loop over the lanes of
+    such a table did not vectorize (its stores may alias its loads): the tables took 1.2 of
+    1.6 ms at the main job's M = 512, reduction 512, 128 outputs; 0.2-0.4 ms here."""
+    base = 3 if bits == 2 else 2
+
+    @intrinsic
+    def table(typingctx, xt, r0, lut, e0):
+        if not (is_array(xt, 2, (types.float32,)) and is_array(lut, 2, (types.float32,))):
+            return None
+        sig = types.void(xt, types.intp, lut, types.intp)
+
+        def codegen(context, builder, signature, args):
+            arr_x = context.make_array(signature.args[0])(context, builder, args[0])
+            arr_l = context.make_array(signature.args[2])(context, builder, args[2])
+            intp = context.get_value_type(types.intp)
+
+            def row(arr, index):
+                return ptr(builder, arr.data, builder.mul(index, ir.Constant(intp, 4 * LANES)),
+                           _VEC)
+
+            x = [builder.load(row(arr_x, builder.add(args[1], ir.Constant(intp, i))), align=4)
+                 for i in range(4)]
+            zero = ir.Constant(_VEC, [0.0] * LANES)
+            entries = [builder.fsub(ir.Constant(_VEC, [-0.0] * LANES), x[0])]  # -x0, exactly
+            entries += [zero, x[0]] if base == 3 else [x[0]]
+            for i in range(1, 4):
+                entries = ([builder.fsub(v, x[i]) for v in entries]
+                           + (entries if base == 3 else [])
+                           + [builder.fadd(v, x[i]) for v in entries])
+            for s, value in enumerate(entries):
+                builder.store(value, row(arr_l, builder.add(args[3], ir.Constant(intp, s))),
+                              align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return table
+
+
+_TERNARY_TABLE, _SIGN_TABLE = _table(2), _table(1)
+
+
 @numba.njit(cache=True)
 def _build(xt, j0, count, bits, lut):
     """The tables of groups ``j0 .. j0 + count`` into ``lut`` (group ``j0 + q`` at rows
-    ``q * E ..``), from the transposed activations ``xt`` [reduction, LANES]: entry ``s`` holds
-    ``sum_i code_i(s) * xt[4 j + i]``, added in order of i (ternary: s = sum_i 3^i (code_i + 1);
-    sign: s = sum_i 2^i (code_i + 1) / 2)."""
-    E = 81 if bits == 2 else 16
+    ``q * E ..``), from the transposed activations ``xt`` [reduction, LANES]."""
     for q in range(count):
-        t = lut[q * E:(q + 1) * E]
-        x = xt[4 * (j0 + q):4 * (j0 + q) + 4]
         if bits == 2:
-            for m in range(LANES):
-                t[0, m] = -x[0, m]
-                t[1, m] = 0.0
-                t[2, m] = x[0, m]
-            n = 3
-            for i in range(1, 4):
-                for s in range(n):
-                    for m in range(LANES):
-                        v = t[s, m]
-                        t[s + n, m] = v
-                        t[s + 2 * n, m] = v + x[i, m]
-                        t[s, m] = v - x[i, m]
-                n *= 3
+            _TERNARY_TABLE(xt, 4 * (j0 + q), lut, q * 81)
         else:
-            for m in range(LANES):
-                t[0, m] = -x[0, m]
-                t[1, m] = x[0, m]
-            n = 2
-            for i in range(1, 4):
-                for s in range(n):
-                    for m in range(LANES):
-                        v = t[s, m]
-                        t[s + n, m] = v + x[i, m]
-                        t[s, m] = v - x[i, m]
-                n *= 2
+            _SIGN_TABLE(xt, 4 * (j0 + q), lut, q * 16)
 
 
 @numba.njit(cache=True)
