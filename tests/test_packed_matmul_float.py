@@ -31,8 +31,8 @@ from lowbit.reference.quantize import quantize_weight_ref, unpack_weight_ref
 
 FORMATS = ("ternary", "sign")
 ALL_FORMATS = ("ternary", "sign", "int8")
-# (M, K, N): one row (the forward's tables; dx's transposed GEMV), the fewest rows of dx's
-# tables, one row tile shared by column ranges, 16-row tiles and a
+# (M, K, N): one row (the forward's scalar tables, dx's transposed GEMV), two (dx's tables), the
+# fewest rows of the forward's vector tables, one row tile shared by column ranges, 16-row tiles and a
 # remainder, reductions across blocks of tables both ways, one output column, a long K.
 SHAPES = [(1, 37, 5), (2, 9, 70), (4, 1, 1), (5, 13, 7), (17, 70, 53), (33, 29, 130),
           (20, 9, 1030), (6, 4097, 3)]
@@ -58,14 +58,14 @@ def _lut_oracle(a, codes, scale):
 
 @pytest.fixture
 def lut_calls(monkeypatch):
-    """The number of ``_lut.gemm`` calls so far, in a list."""
+    """The number of ``_lut.gemm`` and ``_lut.gemv`` calls so far, in a list."""
     calls = [0]
+    for name in ("gemm", "gemv"):
+        def spy(*args, _f=getattr(_lut, name)):
+            calls[0] += 1
+            return _f(*args)
 
-    def spy(*args, _gemm=_lut.gemm):
-        calls[0] += 1
-        return _gemm(*args)
-
-    monkeypatch.setattr(_lut, "gemm", spy)
+        monkeypatch.setattr(_lut, name, spy)
     return calls
 
 
@@ -120,7 +120,8 @@ def test_lut_through_the_linear_layer(rng, lut_calls, format):
 
 def test_lut_ternary_field_of_three_takes_the_other_path(rng, lut_calls):
     """A hand-packed ternary byte with a field of 3 has no table slot: the decoded-BLAS paths
-    run and read it as the reference does."""
+    run and read it as the reference does (code 2); so do the one-row forward's tables, which
+    hold an entry for every byte."""
     M, K, N = 8, 37, 11
     data, scale = _weight(rng, "ternary", K, N)
     data[3, 2] |= 0xC0
@@ -134,6 +135,10 @@ def test_lut_ternary_field_of_three_takes_the_other_path(rng, lut_calls):
     assert_close("dx", dy @ (codes * scale).T, dx, rtol=1e-5)
     _, ok = _lut.offsets_rows(data, 2)
     assert not ok and not _lut.offsets_cols(data, 2, K)[1]
+    y = _numba.matmul_float(x[:1], data, scale, "ternary", K)
+    assert lut_calls[0] == 1
+    assert_close("y one row", packed_matmul_ref(x[:1], data, scale, "ternary", K, None), y,
+                 rtol=1e-5)
 
 
 @pytest.mark.parametrize("format", ["ternary", "int8"])

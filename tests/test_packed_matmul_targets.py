@@ -186,8 +186,8 @@ def _tile_digest():
 
 def _lut_digest():
     """SHA-256 of the table-lookup products' results (``_lut.py``: the forward and dx of ternary
-    and sign weights, row tiles with a remainder, tables across blocks): the same float32 adds in
-    the same order on 16-lane (zmm) and two 8-lane (ymm) vectors."""
+    and sign weights, row tiles with a remainder, tables across blocks, one row): the same float32
+    adds in the same order on 16-lane (zmm) and two 8-lane (ymm) vectors."""
     import hashlib
 
     from lowbit.ops.packed_matmul import _numba
@@ -196,7 +196,7 @@ def _lut_digest():
     rng = np.random.default_rng(12)
     h = hashlib.sha256()
     for format in ("ternary", "sign"):
-        for M, K, N in [(5, 70, 53), (21, 130, 9)]:
+        for M, K, N in [(5, 70, 53), (21, 130, 9), (1, 70, 53)]:
             data, scale = quantize_weight_ref(rng.standard_normal((K, N)), format)
             x = rng.standard_normal((M, K)).astype(np.float32)
             dy = rng.standard_normal((M, N)).astype(np.float32)

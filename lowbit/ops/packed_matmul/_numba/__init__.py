@@ -101,13 +101,16 @@ DW_TRANSPOSE_MIN = 1 << 20
 #: Output columns decoded per float32 BLAS tile in ``matmul_float`` (the tile stays in L2/L3).
 TILE_N = 512
 #: Rows from which ``matmul_dx`` of ternary and sign weights runs the table-lookup kernels of
-#: ``_lut.py`` (the forward, ``matmul_float``, runs them from one row). Their tables cost about
-#: as much for one row as for 16 (one row's lanes of 16): 2-core EPYC Zen 4, K = N = 4096
-#: ternary, dx at 1 / 2 / 4 / 16 rows 2.6-2.9 / 2.2-2.4 / 2.2-2.5 / 2.3-2.6 ms against the
-#: transposed GEMV's 1.5-1.9 / 2.9 / 6.5 / 22-28 and the BLAS blocks' 2.1 / 2.0-2.5 / 4.8-5.0 /
-#: 6.9-7.5; the forward at one row 3.9-4.7 ms against the decoded BLAS tiles' 4.0-4.5 (sign
-#: 2.5-2.7 against 3.8-5.5), at 4 rows 4.4-6.7 against 14.8-15.4.
+#: ``_lut.py``. Their tables cost about as much for one row as for 16 (one row's lanes of 16):
+#: 2-core EPYC Zen 4, K = N = 4096 ternary, dx at 1 / 2 / 4 / 16 rows 2.6-2.9 / 2.2-2.4 /
+#: 2.2-2.5 / 2.3-2.6 ms against the transposed GEMV's 1.5-1.9 / 2.9 / 6.5 / 22-28 and the BLAS
+#: blocks' 2.1 / 2.0-2.5 / 4.8-5.0 / 6.9-7.5.
 LUT_MIN_ROWS = 2
+#: Rows from which ``matmul_float`` of ternary and sign weights runs ``_lut.gemm``; one row runs
+#: ``_lut.gemv`` (the same Zen 4, K = N = 4096 ternary, one row: 2.4-2.5 ms against 4.0 for
+#: ``gemm`` and 4.2-4.3 for the decoded BLAS tiles, NumPy's f32 GEMV 1.5-1.8; two rows: 3.0-6.5
+#: against 3.5-4.3).
+LUT_GEMM_ROWS = 2
 
 
 def _lut_product(a, data, format, K, scale_w, columns):
@@ -159,14 +162,22 @@ def matmul_int(codes_x, scale_x, data, scale_w, format, K):
 def matmul_float(x, data, scale_w, format, K):
     """x: [M, K] float32 -> [M, N] float32 ``(x @ codes_w) * scale_w``, float32 accumulation.
 
-    Ternary and sign weights: the table-lookup kernels of ``_lut.py``. Else (int8 weights, or
-    a ternary field of 3) decodes TILE_N output columns at a time to float32, field-major, and
+    Ternary and sign weights: the table-lookup kernels of ``_lut.py`` (``gemv`` below
+    ``LUT_GEMM_ROWS`` rows, else ``gemm``). Else (int8 weights, or a ternary field of 3 from
+    ``LUT_GEMM_ROWS`` rows) decodes TILE_N output columns at a time to float32, field-major, and
     multiplies them with the activations permuted to match (BLAS).
     """
     M = x.shape[0]
     N, nbytes = data.shape
     if scale_w.size == 1:  # one scale, as a 0-d or a 1-value array
         scale_w = scale_w.reshape(())
+    if format != "int8" and M < LUT_GEMM_ROWS:
+        y = _backend.empty((M, N), np.float32)
+        per_column = scale_w.ndim > 0
+        _lut.gemv(*_backend.read_only(x, data), _BITS[format],
+                  np.float32(1 if per_column else scale_w),
+                  scale_w if per_column else np.empty(0, np.float32), y)
+        return y
     if format != "int8":
         y = _lut_product(x, data, format, K, scale_w, False)
         if y is not None:
