@@ -195,10 +195,10 @@ def matmul_dx(dy, data, scale_w, format, K):
     """dy: [M, N] float32 -> dx [M, K] float32 ``dy @ (codes_w * scale_w).T``.
 
     Ternary and sign weights from ``LUT_MIN_ROWS`` rows: the table-lookup kernels of ``_lut.py``.
-    Else few rows: the transposed GEMV kernel over packed bytes; more rows: the AVX-512 float32
-    tiles of ``_fma.py`` decoding the codes on the fly (``USE_FMA``), or SciPy's BLAS on tiles
-    decoded in each task (``_backward.dx_blocks``). A per-tensor scale multiplies once at the
-    end.
+    Else few rows of ternary and sign codes: the transposed GEMV kernel over packed bytes; more
+    rows, and int8 weights: the AVX-512 float32 tiles of ``_fma.py`` decoding the codes on the
+    fly (``USE_FMA``), or SciPy's BLAS on tiles decoded in each task (``_backward.dx_blocks``).
+    A per-tensor scale multiplies once at the end.
     """
     M, N = dy.shape
     per_tensor = scale_w.ndim == 0
@@ -208,11 +208,15 @@ def matmul_dx(dy, data, scale_w, format, K):
         if dx is not None:
             return dx
     dx = _backend.empty((M, K), np.float32)
-    if M > GEMV_MAX_ROWS and USE_FMA:
+    # The transposed GEMV only for ternary and sign codes: with int8 weights it lost at every row
+    # count (K = N = 4096, 1 / 2 / 8 rows: 4.5 / 6.5-6.9 / 14.1-14.7 ms against the blocks'
+    # 2.2-3.9 / 4.1-4.7 / 6.5-6.7 and the AVX-512 tiles' 4.7-4.9 / 5.0-5.1 / 4.6-5.3).
+    few = M <= GEMV_MAX_ROWS and format != "int8"
+    if not few and USE_FMA:
         scale = np.float32(scale_w if per_tensor else 1)
         _fma.dx_kernel(*_backend.read_only(g, data), _BITS[format], K, scale, _fma.KC, dx)
         return dx
-    if M > GEMV_MAX_ROWS:
+    if not few:
         _backward.dx_blocks(*_backend.read_only(g, data), format, K,
                             scale_w if per_tensor else 1, dx)
         return dx

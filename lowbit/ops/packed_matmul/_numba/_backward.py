@@ -6,13 +6,14 @@ Siblings in ``lowbit/ops/packed_matmul/_numba/``: ``__init__.py`` (the backend f
 (the field-major float32 decoding the dx tiles use), ``_blas.py`` (SciPy's BLAS from Numba),
 ``_fma.py``, ``_gemv.py``, ``_vnni.py``.
 
-For few rows ``dx_gemv`` walks every packed weight row once (a transposed GEMV). For more rows
-``dx_blocks`` and ``dw_blocks`` run SciPy's BLAS one single-threaded call per block inside a
-Numba parallel region (BLAS held at one thread): each task decodes its slice of the weight codes
-(or dequantizes its activations) into cache right before its call, and no second thread pool
-spins against Numba's. The serial decode of whole 512-feature tiles between multithreaded BLAS
-calls it replaced spent 10-17 ms of a 59-72 ms dx on a 2-core EPYC Zen 4 (NumPy's ``dy @ w.T``:
-47-50 ms; the blocks: 45 ms). ``dequantize_rows`` feeds ``_fma.py``'s dw tiles.
+For one row of ternary or sign weights (more where their tables cannot run) ``dx_gemv`` walks
+every packed weight row once (a transposed GEMV). Otherwise ``dx_blocks`` and ``dw_blocks`` run
+SciPy's BLAS one single-threaded call per block inside a Numba parallel region (BLAS held at one
+thread): each task decodes its slice of the weight codes (or dequantizes its activations) into
+cache right before its call, and no second thread pool spins against Numba's. The serial decode
+of whole 512-feature tiles between multithreaded BLAS calls it replaced spent 10-17 ms of a
+59-72 ms dx on a 2-core EPYC Zen 4 (NumPy's ``dy @ w.T``: 47-50 ms; the blocks: 45 ms).
+``dequantize_rows`` feeds ``_fma.py``'s dw tiles.
 """
 
 import numba
@@ -42,13 +43,6 @@ def _axpy_fields(d, src, bits, acc):
             a[i] += d * np.float32((np.int32(src[i]) >> shift) & mask)
 
 
-@numba.njit(cache=True)
-def _axpy_codes8(d, src, acc):
-    a = acc[0]
-    for i in range(src.shape[0]):
-        a[i] += d * np.float32(src[i])
-
-
 @numba.njit(parallel=True, cache=True)
 def _dx_small(g, data, bits, K, out):
     """Transposed GEMV over packed bytes: out[m, k] = sum_n g[m, n] * code(k, n).
@@ -57,7 +51,7 @@ def _dx_small(g, data, bits, K, out):
     ``g[m, n]`` times the stored field of each code to per-field accumulators (the loop over bytes
     vectorizes; the order over n is fixed, so results are deterministic). Stored fields map back
     to codes through the row sum of ``g``: ternary ``code = field - 1``, sign
-    ``code = 2 field - 1``; int8 bytes are the codes.
+    ``code = 2 field - 1`` (int8 weights take the blocks or the tiles at every row count).
     """
     M, N = g.shape
     nbytes = data.shape[1]
@@ -73,25 +67,19 @@ def _dx_small(g, data, bits, K, out):
             for n in range(N):
                 d = g[m, n]
                 total += d
-                if bits == 8:
-                    _axpy_codes8(d, data[n, b0:b1], acc)
-                else:
-                    _axpy_fields(d, data[n, b0:b1], bits, acc)
+                _axpy_fields(d, data[n, b0:b1], bits, acc)
             for i in range(b1 - b0):
                 for j in range(per):
                     k = (b0 + i) * per + j
                     if k < K:
                         v = acc[j, i]
-                        if bits == 2:
-                            v = v - total
-                        elif bits == 1:
-                            v = 2 * v - total
-                        out[m, k] = v
+                        out[m, k] = v - total if bits == 2 else 2 * v - total
 
 
 
 def dx_gemv(g, data, format, K, out):
-    """out [M, K] float32 = ``g @ codes_w.T`` for few rows (the transposed GEMV)."""
+    """out [M, K] float32 = ``g @ codes_w.T`` for few rows of ternary or sign weights (the
+    transposed GEMV)."""
     _dx_small(g, data, _BITS[format], K, out)
 
 
