@@ -114,19 +114,24 @@ LUT_GEMM_ROWS = 2
 
 
 def _lut_product(a, data, format, K, scale_w, columns):
-    """``(a @ codes.T) * scale_w`` (forward: reduction over the packed codes of a weight row) or,
-    with ``columns``, ``a @ codes * scale_w`` (dx: reduction over the weight rows) through
-    ``_lut.gemm``; None where a ternary field holds no code (3), which the caller's other path
-    reads as a code of 2, as the reference does."""
+    """``(a @ codes.T) * scale_w`` (forward: reduction over the packed codes of a weight row;
+    below ``LUT_GEMM_ROWS`` rows ``_lut.gemv``) or, with ``columns``, ``a @ codes * scale_w``
+    (dx: reduction over the weight rows) through ``_lut.gemm``; None where ``gemm`` meets a
+    ternary field that holds no code (3), which the caller's other path reads as a code of 2, as
+    the reference does."""
     bits = _BITS[format]
+    per_column = scale_w.ndim > 0 and not columns
+    scale = np.float32(1 if per_column else scale_w)
+    col_scale = scale_w if per_column else np.empty(0, np.float32)
+    out = _backend.empty((a.shape[0], K if columns else data.shape[0]), np.float32)
+    if not columns and a.shape[0] < LUT_GEMM_ROWS:
+        _lut.gemv(*_backend.read_only(a, data), bits, scale, col_scale, out)
+        return out
     off, ok = _lut.offsets_cols(data, bits, K) if columns else _lut.offsets_rows(data, bits)
     if not ok:
         return None
-    per_column = scale_w.ndim > 0 and not columns
-    out = _backend.empty((a.shape[0], K if columns else data.shape[0]), np.float32)
-    _lut.gemm(*_backend.read_only(a, off), bits, 8 // bits if columns else 1,
-              np.float32(1 if per_column else scale_w),
-              scale_w if per_column else np.empty(0, np.float32), numba.get_num_threads(), out)
+    _lut.gemm(*_backend.read_only(a, off), bits, 8 // bits if columns else 1, scale, col_scale,
+              numba.get_num_threads(), out)
     return out
 
 
@@ -171,13 +176,6 @@ def matmul_float(x, data, scale_w, format, K):
     N, nbytes = data.shape
     if scale_w.size == 1:  # one scale, as a 0-d or a 1-value array
         scale_w = scale_w.reshape(())
-    if format != "int8" and M < LUT_GEMM_ROWS:
-        y = _backend.empty((M, N), np.float32)
-        per_column = scale_w.ndim > 0
-        _lut.gemv(*_backend.read_only(x, data), _BITS[format],
-                  np.float32(1 if per_column else scale_w),
-                  scale_w if per_column else np.empty(0, np.float32), y)
-        return y
     if format != "int8":
         y = _lut_product(x, data, format, K, scale_w, False)
         if y is not None:
