@@ -94,7 +94,7 @@ def kernels() -> dict:
     from lowbit.ops.gated_delta_scan import _numba_chunked
     from lowbit.ops.lowrank_residual import _numba as lowrank
     from lowbit.ops.packed_matmul import _numba as pm
-    from lowbit.ops.packed_matmul._numba import _avx2, _fma, _mkl
+    from lowbit.ops.packed_matmul._numba import _avx2, _fma, _lut_gemv, _mkl
     from lowbit.ops.segmented_attention import _numba as attention
 
     integer = ("avx512-vnni" if pm.USE_VNNI else
@@ -106,6 +106,8 @@ def kernels() -> dict:
         "packed_matmul gemv (<= 32 rows)": integer or "portable gemv",
         "packed_matmul gemm": mkl or integer or "portable float64-BLAS gemm",
         "packed_matmul float x (ternary, sign)": "table lookups",
+        "packed_matmul float x, few rows": (f"table lookups in {_lut_gemv.LANES}-lane registers"
+                                            if _lut_gemv.LANES else "scalar table lookups"),
         "packed_matmul dx (ternary, sign)": "table lookups",
         "packed_matmul dx (int8)": fma,
         "packed_matmul dx, int8 gradients": mkl or integer or "float64 BLAS",

@@ -97,6 +97,12 @@ def _check_small(xp, backend, format, act_format, rows):
         np.testing.assert_array_equal(_host(y), ref)
 
 
+def _check_float(x, pw, y):
+    """A float-activation product at the benchmark's shape against float64 (float32 rounding)."""
+    ref = (x.astype(np.float64) @ _host(pw.codes()).astype(np.float64)) * _host(pw.scale)
+    np.testing.assert_allclose(_host(y), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+
+
 def _check_exact(xp, backend, x, pw, y):
     """Int8-activation result of a large shape: exact integer sums in float64 BLAS, then scales."""
     q = lowbit.quantize_activation(x)
@@ -119,12 +125,17 @@ def _kernel(backend):
     return "portable"
 
 
-def _float_kernel(backend, grad=False):
+def _float_kernel(backend, grad=False, rows=None):
     """Which numba kernels the float-activation rows run for ternary weights: the table lookups
-    (``_lut.py``), and for the exact backward also dw's (FMA tiles or BLAS blocks)."""
+    (``_lut.py``; for one row ``_lut_gemv.py``'s, in registers of ``LANES`` lanes or scalar),
+    and for the exact backward also dw's (FMA tiles or BLAS blocks)."""
     if _kernel(backend) == "-":
         return "-"
     from lowbit.ops.packed_matmul import _numba
+    from lowbit.ops.packed_matmul._numba import _lut_gemv
+    if rows == 1:
+        lanes = _lut_gemv.LANES
+        return f"lut gemv ({lanes}-lane permutes)" if lanes else "lut gemv (scalar)"
     if not grad:
         return "lut"
     return "lut dx, " + ("fma tiles dw" if _numba.USE_FMA else "blas blocks dw")
@@ -202,20 +213,25 @@ def cases(config: Config):
                info={"shape": f"{src.nbytes:,} B"})
     yield Case(SUITE, "gemv numpy f32", fn=lambda: x1 @ w, nbytes=w.nbytes,
                flops=2.0 * K * N, info={"shape": f"1x{K}x{N}", "weight B": w.nbytes})
-    for fmt in ("ternary", "sign", "int8"):
+    for fmt, act in (("ternary", "int8"), ("sign", "int8"), ("int8", "int8"), ("ternary", None),
+                     ("sign", None)):
         p = packed[fmt]
-        fn = run(lambda p=p: lowbit.packed_matmul(x1, p, "int8"))
+        fn = run(lambda p=p, act=act: lowbit.packed_matmul(x1, p, act))
 
-        def check(p=p, fn=fn, fmt=fmt):
-            _check_small(np, backend, fmt, "int8", 1)
-            _check_exact(np, backend, x1, p, fn())
+        def check(p=p, fn=fn, fmt=fmt, act=act):
+            _check_small(np, backend, fmt, act, 1)
+            if act is not None:
+                _check_exact(np, backend, x1, p, fn())
+            else:
+                _check_float(x1, p, fn())
 
-        info = {"shape": f"1x{K}x{N}", "format": f"{fmt}/int8", "weight B": p.nbytes,
-                "kernel": _kernel(backend)}
-        yield Case(SUITE, f"gemv {fmt} {label}", fn=fn, check=check, baseline="gemv numpy f32",
-                   target=5.0 if fmt == "ternary" else None, nbytes=p.nbytes,
+        info = {"shape": f"1x{K}x{N}", "format": f"{fmt}/{act}", "weight B": p.nbytes,
+                "kernel": _kernel(backend) if act else _float_kernel(backend, rows=1)}
+        name = f"gemv {fmt} {label}" if act else f"gemv {fmt}/None {label}"
+        yield Case(SUITE, name, fn=fn, check=check, baseline="gemv numpy f32",
+                   target=5.0 if (fmt, act) == ("ternary", "int8") else None, nbytes=p.nbytes,
                    flops=2.0 * K * N, info=info)
-        if fmt == "ternary":
+        if (fmt, act) == ("ternary", "int8"):
             yield Case(SUITE, f"gemv {fmt} {label} vs copy", fn=fn, baseline="copy packed bytes",
                        target=0.5, nbytes=p.nbytes, info=info)
     if backend in (None, "numba"):
@@ -245,6 +261,8 @@ def cases(config: Config):
             _check_small(np, backend, fmt, act, 33)
             if act is not None:
                 _check_exact(np, backend, xm, p, fn())
+            else:
+                _check_float(xm, p, fn())
 
         yield Case(SUITE, f"gemm {fmt}/{act} {label}", fn=fn, check=check,
                    baseline="gemm numpy f32", target=1.0 if (fmt, act) == ("ternary", "int8")

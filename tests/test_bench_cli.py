@@ -118,6 +118,8 @@ def test_a_forced_cpu_target_runs_and_is_recorded(tmp_path):
     assert facts["kernels"]["packed_matmul gemv (<= 32 rows)"] == "avx2"
     assert facts["kernels"]["packed_matmul dw"] == "SciPy's BLAS in blocks"
     assert facts["kernels"]["packed_matmul dx (ternary, sign)"] == "table lookups"
+    assert facts["kernels"]["packed_matmul float x, few rows"] == (
+        "table lookups in 8-lane registers")
 
 
 def test_gpu_without_cupy_or_a_device_fails_early(capsys, monkeypatch, no_work):

@@ -25,15 +25,15 @@ from helpers import assert_close, assert_equal
 
 import lowbit
 from lowbit.ops.packed_matmul import _numba
-from lowbit.ops.packed_matmul._numba import _lut
+from lowbit.ops.packed_matmul._numba import _lut, _lut_gemv
 from lowbit.reference.packed_matmul import linear_bwd_int8_ref, linear_bwd_ref, packed_matmul_ref
 from lowbit.reference.quantize import quantize_weight_ref, unpack_weight_ref
 
 FORMATS = ("ternary", "sign")
 ALL_FORMATS = ("ternary", "sign", "int8")
-# (M, K, N): one row (the forward's scalar tables, dx's transposed GEMV), two (dx's tables), the
-# fewest rows of the forward's vector tables, one row tile shared by column ranges, 16-row tiles and a
-# remainder, reductions across blocks of tables both ways, one output column, a long K.
+# (M, K, N): one row (dx's transposed GEMV), two (dx's tables), few rows (the forward's
+# ``_lut_gemv``), one row tile shared by column ranges, 16-row tiles and a remainder, reductions
+# across blocks of tables both ways, one output column, a long K.
 SHAPES = [(1, 37, 5), (2, 9, 70), (4, 1, 1), (5, 13, 7), (17, 70, 53), (33, 29, 130),
           (20, 9, 1030), (6, 4097, 3)]
 
@@ -58,14 +58,14 @@ def _lut_oracle(a, codes, scale):
 
 @pytest.fixture
 def lut_calls(monkeypatch):
-    """The number of ``_lut.gemm`` and ``_lut.gemv`` calls so far, in a list."""
+    """The number of ``_lut.gemm`` and ``_lut_gemv.gemv`` calls so far, in a list."""
     calls = [0]
-    for name in ("gemm", "gemv"):
-        def spy(*args, _f=getattr(_lut, name)):
+    for module, name in ((_lut, "gemm"), (_lut_gemv, "gemv")):
+        def spy(*args, _f=getattr(module, name)):
             calls[0] += 1
             return _f(*args)
 
-        monkeypatch.setattr(_lut, name, spy)
+        monkeypatch.setattr(module, name, spy)
     return calls
 
 
@@ -99,6 +99,36 @@ def test_lut_forward_and_dx(rng, lut_calls, format):
                 g = dy * scale if per_row else dy
                 assert_equal(f"dx oracle {name}",
                              _lut_oracle(g, codes.T, 1 if per_row else scale), dx)
+
+
+# (K, N) of ``_lut_gemv``: rows of fewer than four bytes (scalar tables only), a few words
+# (gathered) and a byte tail, a block of 16 (or 8) rows' words transposed with words and a tail
+# after it, one output, row tiles of 64 (or 32) with a remainder, a long row of blocks.
+GEMV_SHAPES = [(9, 20), (37, 5), (70, 130), (333, 70), (2053, 1), (1000, 257)]
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_lut_gemv_kernels_against_the_oracle(rng, format):
+    """Both kernels of ``_lut_gemv.gemv``, the lookups in registers (where the CPU has AVX2 or
+    AVX-512, else not run) and the scalar tables, at their edges, three rows each: bit for bit
+    ``_lut_oracle``, with a per-tensor or per-row scale and (ternary) fields of 3, which both
+    read as code 2, as the reference does."""
+    kernels = (False, True) if _lut_gemv.LANES else (False,)
+    for K, N in GEMV_SHAPES:
+        for per_row in (False, True):
+            data, scale = _weight(rng, format, K, N, per_row)
+            if format == "ternary":
+                data[::3, ::5] |= 0xC0
+            codes = unpack_weight_ref(data, format, K).astype(np.float32)
+            x = rng.standard_normal((3, K)).astype(np.float32)
+            want = _lut_oracle(x, codes, scale)
+            s, cs = (np.float32(1), scale) if per_row else (scale, np.empty(0, np.float32))
+            for simd in kernels:
+                if simd and data.shape[1] < 4:
+                    continue
+                y = np.empty((3, N), np.float32)
+                _lut_gemv.gemv(x, data, _numba._BITS[format], s, cs, y, simd)
+                assert_equal(f"{format} {K}x{N} per-row {per_row} simd {simd}", want, y)
 
 
 @pytest.mark.parametrize("format", FORMATS)

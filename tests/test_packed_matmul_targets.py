@@ -185,24 +185,27 @@ def _tile_digest():
 
 
 def _lut_digest():
-    """SHA-256 of the table-lookup products' results (``_lut.py``: the forward and dx of ternary
-    and sign weights, row tiles with a remainder, tables across blocks, one row): the same float32
-    adds in the same order on 16-lane (zmm) and two 8-lane (ymm) vectors."""
+    """The lanes of ``_lut_gemv``'s lookups and the SHA-256 of the table-lookup products' results
+    (``_lut.py``: the forward and dx of ternary and sign weights, row tiles with a remainder,
+    tables across blocks; ``_lut_gemv.py``: the forward of one to five rows, its rows' words
+    gathered, and transposed in blocks): the same float32 adds in the same order on 16-lane (zmm)
+    and 8-lane (ymm) vectors."""
     import hashlib
 
     from lowbit.ops.packed_matmul import _numba
+    from lowbit.ops.packed_matmul._numba import _lut_gemv
     from lowbit.reference.quantize import quantize_weight_ref
 
     rng = np.random.default_rng(12)
     h = hashlib.sha256()
     for format in ("ternary", "sign"):
-        for M, K, N in [(5, 70, 53), (21, 130, 9), (1, 70, 53)]:
+        for M, K, N in [(5, 70, 53), (21, 130, 9), (1, 70, 53), (3, 333, 70)]:
             data, scale = quantize_weight_ref(rng.standard_normal((K, N)), format)
             x = rng.standard_normal((M, K)).astype(np.float32)
             dy = rng.standard_normal((M, N)).astype(np.float32)
             h.update(_numba.matmul_float(x, data, scale, format, K).tobytes())
             h.update(_numba.matmul_dx(dy, data, np.float32(scale), format, K).tobytes())
-    return h.hexdigest()
+    return f"{_lut_gemv.LANES} {h.hexdigest()}"
 
 
 @pytest.mark.skipif(cpu.target_refusal("haswell") is not None,
@@ -215,9 +218,9 @@ def test_haswell_float_tiles_equal_host(tmp_path):
                       "import test_packed_matmul_targets as t; print(t._tile_digest()); "
                       "print(t._lut_digest())")
     tiles, tables = out.strip().splitlines()[-2:]
-    assert tiles.startswith("avx2 ")
+    assert tiles.startswith("avx2 ") and tables.startswith("8 ")
     assert tiles.split()[1] == _tile_digest().split()[1]
-    assert tables == _lut_digest()
+    assert tables.split()[1] == _lut_digest().split()[1]
 
 
 _ASM = """

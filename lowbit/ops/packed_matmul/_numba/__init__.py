@@ -19,7 +19,8 @@ this package:
   has AVX-512 and NumPy's BLAS does not run 512-bit kernels of its own);
 - ``_lut.py``: table lookups for ternary and sign weights against float32 (the float-activation
   forward, and the exact backward's ``dx`` from ``LUT_MIN_ROWS`` rows, on every CPU): one float
-  add of a table entry per four codes;
+  add of a table entry per four codes; ``_lut_gemv.py``: the same sums for few rows of the
+  forward, one row at a time (in-register lookups with AVX2 or AVX-512, scalar tables else);
 - ``_llvm.py``: the IR helpers the intrinsics are emitted with;
 - ``_gemv.py``: the portable GEMV over packed bytes (few rows, no VNNI, no AVX2);
 - ``_gemm_f64.py``: the portable GEMM, exact integer products in float64 BLAS with three weight
@@ -52,7 +53,7 @@ _backend.numba_cache_guard(__file__, _quantize.__file__)
 from ...quantize import WEIGHT_FORMATS as _BITS  # noqa: E402
 from .. import _numpy  # noqa: E402
 from . import (_avx2, _avx2_gemm, _backward, _decode, _fma, _gemm_f64, _gemv, _lut,  # noqa: E402
-               _mkl, _vnni)
+               _lut_gemv, _mkl, _vnni)
 
 #: Whether the integer GEMM (more rows than ``MKL_MIN_ROWS``) and the dx of int8 gradients run on
 #: oneMKL's ``cblas_gemm_s8u8s32`` (``_mkl.py``): where the CPU has AMX and ``lowbit[mkl]`` is
@@ -106,16 +107,18 @@ TILE_N = 512
 #: 2.2-2.5 / 2.3-2.6 ms against the transposed GEMV's 1.5-1.9 / 2.9 / 6.5 / 22-28 and the BLAS
 #: blocks' 2.1 / 2.0-2.5 / 4.8-5.0 / 6.9-7.5.
 LUT_MIN_ROWS = 2
-#: Rows from which ``matmul_float`` of ternary and sign weights runs ``_lut.gemm``; one row runs
-#: ``_lut.gemv`` (the same Zen 4, K = N = 4096 ternary, one row: 2.4-2.5 ms against 4.0 for
-#: ``gemm`` and 4.2-4.3 for the decoded BLAS tiles, NumPy's f32 GEMV 1.5-1.8; two rows: 3.0-6.5
-#: against 3.5-4.3).
-LUT_GEMM_ROWS = 2
+#: Rows from which ``matmul_float`` of ternary and sign weights runs ``_lut.gemm``; fewer run
+#: ``_lut_gemv.gemv``, which takes one row at a time. 2-core EPYC Zen 4 (AVX-512), ms at
+#: 1 / 4 / 8 / 12 / 16 rows, gemv against gemm: ternary K = N = 4096 0.56 / 1.6 / 3.1 / 4.5 / 5.9
+#: against 3.4-3.9; K = 2560, N = 6912 0.84 / 2.4 / 4.1 / 6.0 / 8.0 against 4.2-4.9; K = N = 1024
+#: 0.09 / 0.29 / 0.56 / 0.84 / 1.1 against 0.35-0.40; sign K = N = 4096 0.26 / 0.70 / 1.26 / 1.87
+#: / 2.61 against 2.3-2.8, K = N = 1024 0.04 / 0.15 / 0.31 / 0.46 / 0.61 against 0.46-0.54.
+LUT_GEMM_ROWS = {"ternary": 6, "sign": 12}
 
 
 def _lut_product(a, data, format, K, scale_w, columns):
     """``(a @ codes.T) * scale_w`` (forward: reduction over the packed codes of a weight row;
-    below ``LUT_GEMM_ROWS`` rows ``_lut.gemv``) or, with ``columns``, ``a @ codes * scale_w``
+    below ``LUT_GEMM_ROWS`` rows ``_lut_gemv.gemv``) or, with ``columns``, ``a @ codes * scale_w``
     (dx: reduction over the weight rows) through ``_lut.gemm``; None where ``gemm`` meets a
     ternary field that holds no code (3), which the caller's other path reads as a code of 2, as
     the reference does."""
@@ -124,8 +127,8 @@ def _lut_product(a, data, format, K, scale_w, columns):
     scale = np.float32(1 if per_column else scale_w)
     col_scale = scale_w if per_column else np.empty(0, np.float32)
     out = _backend.empty((a.shape[0], K if columns else data.shape[0]), np.float32)
-    if not columns and a.shape[0] < LUT_GEMM_ROWS:
-        _lut.gemv(*_backend.read_only(a, data), bits, scale, col_scale, out)
+    if not columns and a.shape[0] < LUT_GEMM_ROWS[format]:
+        _lut_gemv.gemv(*_backend.read_only(a, data), bits, scale, col_scale, out)
         return out
     off, ok = _lut.offsets_cols(data, bits, K) if columns else _lut.offsets_rows(data, bits)
     if not ok:
@@ -167,8 +170,8 @@ def matmul_int(codes_x, scale_x, data, scale_w, format, K):
 def matmul_float(x, data, scale_w, format, K):
     """x: [M, K] float32 -> [M, N] float32 ``(x @ codes_w) * scale_w``, float32 accumulation.
 
-    Ternary and sign weights: the table-lookup kernels of ``_lut.py`` (``gemv`` below
-    ``LUT_GEMM_ROWS`` rows, else ``gemm``). Else (int8 weights, or a ternary field of 3 from
+    Ternary and sign weights: the table-lookup kernels (``_lut_gemv.gemv`` below
+    ``LUT_GEMM_ROWS`` rows, else ``_lut.gemm``). Else (int8 weights, or a ternary field of 3 from
     ``LUT_GEMM_ROWS`` rows) decodes TILE_N output columns at a time to float32, field-major, and
     multiplies them with the activations permuted to match (BLAS).
     """

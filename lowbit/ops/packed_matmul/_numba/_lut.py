@@ -3,8 +3,9 @@ the exact straight-through backward and the float-activation forward, four multi
 add.
 
 Siblings in ``lowbit/ops/packed_matmul/_numba/``: ``__init__.py`` (``matmul_dx`` and
-``matmul_float``, which run these for ternary and sign weights), ``_llvm.py`` (the IR helpers),
-``_backward.py`` (the BLAS blocks they replace there). Reference ``reference/packed_matmul.py``;
+``matmul_float``, which run these for ternary and sign weights), ``_lut_gemv.py`` (few rows of
+the forward), ``_llvm.py`` (the IR helpers), ``_backward.py`` (the BLAS blocks they replace
+there). Reference ``reference/packed_matmul.py``;
 tests ``tests/test_packed_matmul_float.py``; benchmark ``bench/matmul.py``.
 
 ``out[m, c] = sum_r a[m, r] * code(c, r)`` with the reduction ``r`` cut into groups of four.
@@ -21,10 +22,8 @@ table takes 120 vector adds, about 3% of the adds that read it at 4096 output co
   slots out ``[group, column]`` (columns padded to whole tiles), each slot already offset
   to its group's place in a block of ``BLOCK`` tables; either reports a ternary field of 3 (no
   code: the caller then takes its other path).
-- ``gemv`` (the forward of one row) needs no slots: per activation row, scalar tables indexed by
-  the packed bits themselves (256 entries a ternary byte, with a field of 3 read as code 2; 16 a
-  sign nibble), one scalar add a group, four weight rows side by side; the same order of adds, so
-  the same bits as ``gemm``.
+- ``_lut_gemv.py`` runs the forward of few rows one row at a time, with no slots (lookups
+  indexed by the packed bits themselves), in the same order of adds: the same bits as ``gemm``.
 - ``gemm`` runs tasks of ``LANES`` rows (and a share of the output columns) in parallel: it
   transposes its rows of ``a`` into [reduction, LANES], builds ``BLOCK`` groups' tables at a
   time (20 KiB for ternary: L1) and runs the register tile ``_tile`` (``COLS`` outputs of
@@ -314,97 +313,3 @@ def gemm(a, off, bits, per, scale, col_scale, threads, out):
                 src = acc[c - t0 * COLS]
                 for i in range(rows):
                     out[m0 + i, k] = src[i] * s
-
-
-#: Groups a task of ``gemv`` reads at a time for all its weight rows: 16 ternary tables of 256
-#: entries (16 KiB, L1).
-GEMV_BLOCK = 16
-
-
-@numba.njit(parallel=True, cache=True)
-def _gemv_tables(x, bits, tables):
-    """One activation row's tables for ``gemv``: ``tables[j, e]`` is group j's signed sum for the
-    packed field bits ``e`` of its four codes (ternary: the byte itself, a field of 3 read as
-    code 2 as the reference reads it; sign: the nibble), built like ``_table``'s entries (a code
-    0 keeps the entry before it; zeros past K)."""
-    G = tables.shape[0]
-    K = x.shape[0]
-    for j in numba.prange(G):
-        xs = np.zeros(4, np.float32)
-        for i in range(min(4, K - 4 * j)):
-            xs[i] = x[4 * j + i]
-        t = tables[j]
-        t[0] = -xs[0]
-        if bits == 2:
-            t[1] = 0.0
-            t[2] = xs[0]
-            t[3] = xs[0] + xs[0]
-        else:
-            t[1] = xs[0]
-        n = 4 if bits == 2 else 2
-        for i in range(1, 4):
-            xi = xs[i]
-            for s in range(n):
-                v = t[s]
-                if bits == 2:
-                    t[s + n] = v
-                    t[s + 2 * n] = v + xi
-                    t[s + 3 * n] = v + (xi + xi)
-                else:
-                    t[s + n] = v + xi
-                t[s] = v - xi
-            n *= 4 if bits == 2 else 2
-
-
-@numba.njit(cache=True, inline="always")
-def _entry(tables, row, j, bits):
-    """Group j's table entry for a packed weight row."""
-    if bits == 2:
-        return tables[j, row[j]]
-    return tables[j, (np.int32(row[j >> 1]) >> (4 * (j & 1))) & 15]
-
-
-@numba.njit(parallel=True, cache=True)
-def _gemv_rows(tables, data, bits, scale, col_scale, out):
-    """out[n] = (sum_j tables[j, field bits of group j of row n]) * scale * col_scale[n]: the
-    groups added in order of j, as ``gemm`` adds them. Tasks of 64 weight rows, each reading
-    GEMV_BLOCK groups' tables for all its rows at a time, four rows side by side (one row's sum
-    is a chain of dependent adds: 2.9 ms one row at a time, K = N = 4096 on 2 cores)."""
-    N = data.shape[0]
-    G = tables.shape[0]
-    chunk = 64
-    for task in numba.prange(-(-N // chunk)):
-        n0 = task * chunk
-        n1 = min(N, n0 + chunk)
-        acc = np.zeros(n1 - n0, np.float32)
-        for j0 in range(0, G, GEMV_BLOCK):
-            j1 = min(G, j0 + GEMV_BLOCK)
-            n = n0
-            while n + 4 <= n1:
-                r0, r1, r2, r3 = data[n], data[n + 1], data[n + 2], data[n + 3]
-                a0, a1, a2, a3 = acc[n - n0], acc[n - n0 + 1], acc[n - n0 + 2], acc[n - n0 + 3]
-                for j in range(j0, j1):
-                    a0 += _entry(tables, r0, j, bits)
-                    a1 += _entry(tables, r1, j, bits)
-                    a2 += _entry(tables, r2, j, bits)
-                    a3 += _entry(tables, r3, j, bits)
-                acc[n - n0], acc[n - n0 + 1], acc[n - n0 + 2], acc[n - n0 + 3] = a0, a1, a2, a3
-                n += 4
-            for n in range(n, n1):
-                a = acc[n - n0]
-                for j in range(j0, j1):
-                    a += _entry(tables, data[n], j, bits)
-                acc[n - n0] = a
-        for n in range(n0, n1):
-            out[n] = acc[n - n0] * (scale * (col_scale[n] if col_scale.size else np.float32(1)))
-
-
-def gemv(x, data, bits, scale, col_scale, out):
-    """out [M, N] float32 = ``(x @ codes.T) * scale * col_scale`` for few rows of x [M, K], the
-    forward's weight rows as outputs: per activation row, scalar tables indexed by the packed
-    bits themselves (no slots, no fallback) and one scalar add a group, in ``gemm``'s order (the
-    same bits as ``gemm``, which spends 16 lanes on every row)."""
-    tables = np.empty((-(-x.shape[1] // 4), 256 if bits == 2 else 16), np.float32)
-    for m in range(x.shape[0]):
-        _gemv_tables(x[m], bits, tables)
-        _gemv_rows(tables, data, bits, scale, col_scale, out[m])
