@@ -5,7 +5,7 @@ The table-lookup products of ternary and sign weights (``_lut.py``: ``matmul_flo
 ``matmul_dx`` from ``LUT_MIN_ROWS`` rows) are checked twice: against
 ``reference/packed_matmul.py``'s float64 products (float32 tolerance), and bit for bit against
 ``_lut_oracle`` below, a NumPy statement of the summation order the kernels document (each group
-of four codes summed in order of its codes, the groups added in order, then scaled), independent
+of four codes summed as two pairs, the groups added in order, then scaled), independent
 of how the kernels lay out their tables, tiles and threads. Shapes cross the kernels' edges: row
 tiles of 16 with remainders, fewer row tiles than threads (columns shared), column tiles of 6,
 blocks of tables, reductions not a multiple of 4, dx over weight rows not a multiple of 4. Also:
@@ -39,8 +39,8 @@ SHAPES = [(1, 37, 5), (2, 9, 70), (4, 1, 1), (5, 13, 7), (17, 70, 53), (33, 29, 
 
 
 def _lut_oracle(a, codes, scale):
-    """``sum_j T_j * scale`` in float32, ``T_j = ((c0 a0 + c1 a1) + c2 a2) + c3 a3`` over the
-    four codes of group j (a [M, R] float32, codes [R, C] in {-1, 0, 1}, zeros past R)."""
+    """``sum_j T_j * scale`` in float32, ``T_j = (c0 a0 + c1 a1) + (c2 a2 + c3 a3)`` over the
+    four codes of group j (a [M, R] float32, codes [R, C] in {-1, 0, 1, 2}, zeros past R)."""
     M, R = a.shape
     G = -(-R // 4)
     a4 = np.zeros((M, 4 * G), np.float32)
@@ -49,10 +49,8 @@ def _lut_oracle(a, codes, scale):
     c4[:R] = codes
     acc = np.zeros((M, codes.shape[1]), np.float32)
     for j in range(G):
-        t = a4[:, 4 * j, None] * c4[4 * j]
-        for i in range(1, 4):
-            t = t + a4[:, 4 * j + i, None] * c4[4 * j + i]
-        acc = acc + t
+        v = [a4[:, 4 * j + i, None] * c4[4 * j + i] for i in range(4)]
+        acc = acc + ((v[0] + v[1]) + (v[2] + v[3]))
     return acc * np.asarray(scale, np.float32)
 
 

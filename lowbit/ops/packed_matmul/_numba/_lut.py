@@ -11,11 +11,12 @@ tests ``tests/test_packed_matmul_float.py``; benchmark ``bench/matmul.py``.
 ``out[m, c] = sum_r a[m, r] * code(c, r)`` with the reduction ``r`` cut into groups of four.
 Four ternary codes take 81 joint values (four sign codes 16): for each group ``j`` and each tile
 of ``LANES`` rows of ``a``, a table holds every joint value's signed sum
-``sum_i code_i * a[m, 4 j + i]`` as one 16-lane float32 vector. An output column then needs one
+``(c_0 a_0 + c_1 a_1) + (c_2 a_2 + c_3 a_3)`` (``a_i = a[m, 4 j + i]``, ``c_i`` the codes) as
+one 16-lane float32 vector. An output column then needs one
 table index a group (``slot``: the four codes as a base-3 or base-2 number) and one vector add
 of the entry it names, where a multiply-add GEMM needs four (the lookup-table idea of T-MAC and
 of bitnet.cpp's TL kernels; written here for float activations). Building a ternary group's
-table takes 120 vector adds, about 3% of the adds that read it at 4096 output columns.
+table takes 95 vector adds, about 3% of the adds that read it at 4096 output columns.
 
 - ``offsets_rows`` (weight rows are the output columns: the forward) and ``offsets_cols``
   (weight columns are the output columns: dx, four weight rows' codes to one slot) lay the
@@ -31,10 +32,11 @@ table takes 120 vector adds, about 3% of the adds that read it at 4096 output co
   for those groups, then scales and transposes the sums into ``out``.
 
 Every output is the sum over groups in order of ``j`` of a table entry built by the same float32
-adds in the same order, whatever the vector width, thread count or share of columns a task has:
-deterministic, and equal bit for bit on every CPU. The error is that of a float32 dot product
-(no multiply rounds: codes are -1, 0, 1). A code 0 adds nothing, so an infinite activation meets
-no ``inf * 0``: the output is still non-finite, but not always the NaN of a multiply-add.
+adds in the same order (each pair of codes, then the two pairs), whatever the vector width,
+thread count or share of columns a task has: deterministic, and equal bit for bit on every CPU.
+The error is that of a float32 dot product (no multiply rounds: codes are -1, 0, 1). A code 0
+adds nothing, so an infinite activation meets no ``inf * 0``: the output is still non-finite,
+but not always the NaN of a multiply-add.
 
 Measured on a 2-core AMD EPYC Zen 4 (in alternation, M = 256, K = N = 4096 ternary): dx 26-32 ms
 (the slots 1 ms of it) against 46-49 for the BLAS blocks, 48 for the AVX-512 tiles of ``_fma.py``
@@ -113,12 +115,14 @@ def _tile(typingctx, lut, off, o0, stride, count, acc, a0):
 def _table(bits):
     """Intrinsic ``table(xt, r0, lut, e0)``: one group's table into rows ``e0 ..`` of ``lut``
     from rows ``r0 .. r0 + 3`` of the transposed activations ``xt`` (C-contiguous float32
-    [*, LANES] both): entry ``s`` holds ``sum_i code_i(s) * xt[r0 + i]``, added in order of i
-    (ternary: s = sum_i 3^i (code_i + 1), 81 entries; sign: s = sum_i 2^i (code_i + 1) / 2, 16).
-    Each entry is a 16-lane vector value made from the entry of the codes before its last one
-    (a code 0 keeps it as it is) and stored as soon as it is made. Numba's loop over the lanes of
-    such a table did not vectorize (its stores may alias its loads): the tables took 1.2 of
-    1.6 ms at the main job's M = 512, reduction 512, 128 outputs; 0.2-0.4 ms here."""
+    [*, LANES] both): entry ``s`` holds ``(c_0 a_0 + c_1 a_1) + (c_2 a_2 + c_3 a_3)``, the codes
+    ``c_i`` of ``s`` and ``a_i = xt[r0 + i]`` (ternary: s = sum_i 3^i (c_i + 1), 81 entries;
+    sign: s = sum_i 2^i (c_i + 1) / 2, 16): each pair's sum (a code 0 keeps the first code's
+    value as it is), then the two pairs' sums added: the order in which ``_lut_gemv.py`` looks
+    up a pair's joint values in a register. Each entry is a 16-lane vector value, stored as soon
+    as it is made. Numba's loop over the lanes of such a table did not vectorize (its stores may
+    alias its loads): the tables took 1.2 of 1.6 ms at the main job's M = 512, reduction 512,
+    128 outputs; 0.2-0.4 ms here."""
     base = 3 if bits == 2 else 2
 
     @intrinsic
@@ -139,12 +143,15 @@ def _table(bits):
             x = [builder.load(row(arr_x, builder.add(args[1], ir.Constant(intp, i))), align=4)
                  for i in range(4)]
             zero = ir.Constant(_VEC, [0.0] * LANES)
-            entries = [builder.fsub(ir.Constant(_VEC, [-0.0] * LANES), x[0])]  # -x0, exactly
-            entries += [zero, x[0]] if base == 3 else [x[0]]
-            for i in range(1, 4):
-                entries = ([builder.fsub(v, x[i]) for v in entries]
-                           + (entries if base == 3 else [])
-                           + [builder.fadd(v, x[i]) for v in entries])
+
+            def pair(x0, x1):  # the entries of two codes, in order of their base-3 or 2 slot
+                first = [builder.fsub(ir.Constant(_VEC, [-0.0] * LANES), x0)]  # -x0, exactly
+                first += [zero, x0] if base == 3 else [x0]
+                return ([builder.fsub(v, x1) for v in first] + (first if base == 3 else [])
+                        + [builder.fadd(v, x1) for v in first])
+
+            low, high = pair(x[0], x[1]), pair(x[2], x[3])
+            entries = [builder.fadd(a, b) for b in high for a in low]
             for s, value in enumerate(entries):
                 builder.store(value, row(arr_l, builder.add(args[3], ir.Constant(intp, s))),
                               align=4)

@@ -1,27 +1,28 @@
 """The float-activation forward of few rows with ternary and sign weights (``_lut.py``'s
 products, one activation row at a time): ``out[n] = sum_j T_j(n) * scale * col_scale[n]``, each
-group's entry ``T_j`` the signed sum of its four codes' activations added in order, the groups
+group's entry ``T_j = (c_0 x_0 + c_1 x_1) + (c_2 x_2 + c_3 x_3)`` over its four codes, the groups
 added in order of ``j``, as ``_lut.gemm`` adds them: the same bits.
 
 - On a CPU with AVX2 or AVX-512F (``LANES`` 8 or 16 weight rows a vector), ``_tile``: table
   lookups in registers (``vpermps``, which reads only the low 3 or 4 bits of each index), so the
-  packed word of a weight row shifted right to a code's field indexes its table directly. A
-  group's first codes share one table of their joint values (``_first_codes``: 2 ternary or 4
-  sign codes with 16 lanes, 1 or 3 with 8), built in ``_lut._table``'s order; each later code
-  has a table of its values ``[-x_i, 0, x_i, x_i + x_i]`` (ternary fields 0-3, a field of 3
-  read as code 2 as the reference reads it) or ``[-x_i, x_i]`` (sign), added in order; every
-  table repeats over the lanes. ``ROW_VECTORS`` vectors of rows run at a time. Their words come
-  ``LANES`` at a time as ``LANES`` rows' loads transposed in registers (gathering each word took
-  half the time: K = N = 4096 ternary 0.8 against 0.36-0.42 ms), the rest of a row's words by
-  gathers, its last bytes from the word that ends it.
+  packed word of a weight row shifted right to a field indexes a table directly. A group takes
+  ``_parts`` lookups: one of the joint values of its four codes where they fit a register (sign,
+  16 lanes), else one of each pair's (ternary with 16 lanes, sign with 8), else one of each
+  code's values (ternary with 8: ``[-x_i, 0, x_i, x_i + x_i]``); a ternary field of 3 reads as
+  code 2, as the reference reads it. The lookups add as the entries are built: pairs, then the
+  pairs. Every table repeats over the lanes. ``ROW_VECTORS`` vectors of rows run at a time. Their
+  words come ``LANES`` at a time as ``LANES`` rows' loads transposed in registers (gathering each
+  word took half the time: K = N = 4096 ternary 0.8 against 0.36-0.42 ms), the rest of a row's
+  words by gathers, its last bytes from the word that ends it.
 - Elsewhere (ARM, x86 without AVX2), and for rows of fewer than four bytes: ``_scalar_rows``,
-  scalar tables indexed by the packed bits themselves (256 entries a ternary byte, 16 a sign
-  nibble), one scalar add a group, four weight rows side by side.
+  scalar tables of each group's joint values indexed by the packed bits themselves (256 entries a
+  ternary byte, 16 a sign nibble), one scalar add a group, four weight rows side by side.
 
 Measured on a 2-core AMD EPYC Zen 4, one row, K = N = 4096 (in one process, best of 60): ternary
-0.36-0.42 ms, sign 0.14-0.18 ms (the scalar tables 2.4 and 3.6-4.3 ms; NumPy's float32 ``x @ W``
-1.5-2.3 ms on OpenBLAS's SkylakeX kernels); compiled for Haswell (8 lanes) 0.51 and 0.34 ms
-against NumPy's 2.3 ms on OpenBLAS's Haswell kernels.
+0.32-0.33 ms (0.36-0.42 with a lookup a code after the first pair), sign 0.14-0.17 ms (the
+scalar tables 2.4 and 3.6-4.3 ms; NumPy's float32 ``x @ W`` 1.5-2.3 ms on OpenBLAS's SkylakeX
+kernels); compiled for Haswell (8 lanes) 0.47 and 0.23 ms against NumPy's 2.3 ms on OpenBLAS's
+Haswell kernels.
 
 Siblings: ``_lut.py`` (``gemm``, the tables for 16 rows of activations), ``__init__.py``
 (``_lut_product``, which calls ``gemv`` below ``LUT_GEMM_ROWS`` rows), ``_llvm.py``. Tests
@@ -95,11 +96,11 @@ def _transpose(builder, rows):
     return rows
 
 
-def _first_codes(bits, lanes):
-    """Codes of a group whose joint values one table of ``lanes`` entries holds (the first
-    ones; each later code has its own table): 2 ternary or 4 sign with 16 lanes, 1 ternary or 3
-    sign with 8."""
-    return (lanes.bit_length() - 1) // bits
+def _parts(bits, lanes):
+    """Lookups a group of four codes takes in registers of ``lanes`` entries: 1 where its joint
+    values fit (sign, 16 lanes), 2 where a pair's do (one a pair: ternary with 16, sign with 8),
+    else 4 (one a code: ternary with 8)."""
+    return 1 if 1 << 4 * bits <= lanes else 2 if 1 << 2 * bits <= lanes else 4
 
 
 def _make_tile(bits, lanes):
@@ -108,8 +109,8 @@ def _make_tile(bits, lanes):
     read nothing and sum 0) against ``tables`` (C-contiguous float32 [nbytes * 8 // bits,
     lanes]: code i's table in row i)."""
     groups_per_byte = 2 // bits
-    first = _first_codes(bits, lanes)
-    parts = 5 - first
+    parts = _parts(bits, lanes)
+    width = 4 // parts * bits  # bits of the packed word a lookup reads
     fvec = ir.VectorType(ir.FloatType(), lanes)
     ivec = ir.VectorType(_I32, lanes)
 
@@ -153,19 +154,22 @@ def _make_tile(bits, lanes):
                                         builder.mul(row, const(4 * lanes)), fvec), align=4)
 
             def group_step(words, shift0, group, sums):
-                """Group ``group``'s codes, at bit ``shift0`` of ``words``: its first part's
-                entry, each later code's value added in order; then the entries to ``sums``."""
+                """Group ``group``'s codes, at bit ``shift0`` of ``words`` (None: 0): its
+                ``parts`` lookups, added as ``_lut._table`` adds its entries (pairs of codes,
+                then the pairs), then to ``sums``."""
                 row = builder.mul(group, const(parts))
-                entries = [_permute(builder, table(row), w if shift0 is None else
-                                    builder.lshr(w, shift0)) for w in words]
-                for i in range(first, 4):
-                    t = table(builder.add(row, const(1 + i - first)))
-                    shift = ir.Constant(ivec, [bits * i] * lanes)
+                looked = []
+                for i in range(parts):
+                    t = table(builder.add(row, const(i)))
+                    shift = ir.Constant(ivec, [width * i] * lanes)
                     if shift0 is not None:
-                        shift = builder.add(shift0, shift)
-                    entries = [builder.fadd(e, _permute(builder, t, builder.lshr(w, shift)))
-                               for e, w in zip(entries, words)]
-                return [builder.fadd(s, e) for s, e in zip(sums, entries)]
+                        shift = builder.add(shift0, shift) if i else shift0
+                    looked.append([_permute(builder, t, w if i == 0 and shift0 is None
+                                            else builder.lshr(w, shift)) for w in words])
+                while len(looked) > 1:
+                    looked = [[builder.fadd(a, b) for a, b in zip(looked[i], looked[i + 1])]
+                              for i in range(0, len(looked), 2)]
+                return [builder.fadd(s, e) for s, e in zip(sums, looked[0])]
 
             def gather(offset):
                 return [_gather(builder, builder.gep(bases[r], [offset]), index, masks[r])
@@ -254,53 +258,56 @@ else:  # never called: ``gemv`` takes the scalar kernel
     _TERNARY_TILE = _SIGN_TILE = None
 
 
+@numba.njit(cache=True, inline="always")
+def _value(field, x, bits):
+    """A code's stored field times x, exactly: ternary fields 0-3 as -1, 0, 1 and (a field of 3,
+    as the reference reads it) 2; sign bits as -1, 1."""
+    if bits == 1:
+        return x if field else -x
+    return -x if field == 0 else np.float32(0) if field == 1 else x if field == 2 else x + x
+
+
+@numba.njit(cache=True, inline="always")
+def _pair(e, xa, xb, bits):
+    """The sum of two codes (fields ``e``: the first in the low bits) times ``xa``, ``xb``."""
+    return _value(e & ((1 << bits) - 1), xa, bits) + _value(e >> bits, xb, bits)
+
+
+@numba.njit(cache=True, inline="always")
+def _at(x, i):
+    return x[i] if i < x.shape[0] else np.float32(0)
+
+
 @numba.njit(cache=True)
-def _joint_table(x, i0, count, bits, t):
-    """``t[e]``: the signed sum of ``x[i0:i0 + count]`` (zeros past the end of x) for the packed
-    field bits ``e`` of ``count`` codes (ternary fields 0-3 as -1, 0, 1 and, for 3, 2 as the
-    reference reads it; sign bits as -1, 1), added in order of the codes: a code 0 keeps the
-    entry of the codes before it, as ``_lut._table`` builds ``gemm``'s entries."""
-    x0 = x[i0] if i0 < x.shape[0] else np.float32(0)
-    t[0] = -x0
-    if bits == 2:
-        t[1] = 0.0
-        t[2] = x0
-        t[3] = x0 + x0
-    else:
-        t[1] = x0
-    n = 4 if bits == 2 else 2
-    for i in range(1, count):
-        xi = x[i0 + i] if i0 + i < x.shape[0] else np.float32(0)
-        for s in range(n):
-            v = t[s]
-            if bits == 2:
-                t[s + n] = v
-                t[s + 2 * n] = v + xi
-                t[s + 3 * n] = v + (xi + xi)
-            else:
-                t[s + n] = v + xi
-            t[s] = v - xi
-        n *= 4 if bits == 2 else 2
+def _group_table(x, i0, codes, bits, t):
+    """``t[e]`` for the packed fields ``e`` of ``codes`` (1, 2 or 4) codes times ``x[i0 ..]``
+    (zeros past the end of x), added as ``_lut._table`` adds: a code's value, a pair's sum, or
+    four codes' two pair sums added. A second code of 0 adds +0 where ``_table`` keeps the first
+    code's value: they differ at most in the sign of a zero, which reaches no output (a row's
+    sum starts from +0, and +0 + -0 is +0)."""
+    for e in range(1 << codes * bits):
+        if codes == 1:
+            t[e] = _value(e, _at(x, i0), bits)
+        elif codes == 2:
+            t[e] = _pair(e, _at(x, i0), _at(x, i0 + 1), bits)
+        else:
+            t[e] = (_pair(e & ((1 << 2 * bits) - 1), _at(x, i0), _at(x, i0 + 1), bits)
+                    + _pair(e >> 2 * bits, _at(x, i0 + 2), _at(x, i0 + 3), bits))
 
 
 @numba.njit(parallel=True, cache=True)
-def _lane_tables(x, bits, first, tables):
-    """``_tile``'s tables of one activation row, ``parts = 5 - first`` rows a group, each
-    repeated over the lanes: the joint values of the group's ``first`` codes, then one table of
-    each later code's values; zeros past K."""
+def _lane_tables(x, bits, parts, tables):
+    """``_tile``'s tables of one activation row, ``parts`` rows a group (``_parts``): the
+    values of its 4 / parts codes a row, each repeated over the lanes; zeros past K."""
     lanes = tables.shape[1]
-    parts = 5 - first
-    size = 1 << (bits * first)
+    codes = 4 // parts
+    size = 1 << codes * bits
     for j in numba.prange(tables.shape[0] // parts):
-        row = tables[j * parts]
-        _joint_table(x, 4 * j, first, bits, row)
-        for lane in range(size, lanes):
-            row[lane] = row[lane - size]
-        for i in range(first, 4):
-            row = tables[j * parts + 1 + i - first]
-            _joint_table(x, 4 * j + i, 1, bits, row)
-            for lane in range(1 << bits, lanes):
-                row[lane] = row[lane - (1 << bits)]
+        for i in range(parts):
+            row = tables[j * parts + i]
+            _group_table(x, 4 * j + codes * i, codes, bits, row)
+            for lane in range(size, lanes):
+                row[lane] = row[lane - size]
 
 
 @numba.njit(parallel=True, cache=True)
@@ -325,9 +332,9 @@ def _scalar_tables(x, bits, tables):
     """One activation row's tables for ``_scalar_rows``: ``tables[j, e]`` is group j's signed sum
     for the packed field bits ``e`` of its four codes (ternary: the byte itself, a field of 3 read
     as code 2 as the reference reads it; sign: the nibble), built like ``_lut._table``'s entries
-    (a code 0 keeps the entry before it; zeros past K)."""
+    (two pairs' sums added; zeros past K)."""
     for j in numba.prange(tables.shape[0]):
-        _joint_table(x, 4 * j, 4, bits, tables[j])
+        _group_table(x, 4 * j, 4, bits, tables[j])
 
 
 #: Groups a task of ``_scalar_rows`` reads at a time for all its weight rows: 16 ternary tables
@@ -386,10 +393,10 @@ def gemv(x, data, bits, scale, col_scale, out, simd=None):
     if simd is None:
         simd = bool(LANES) and data.shape[1] >= 4
     if simd:
-        first = _first_codes(bits, LANES)
-        tables = np.empty((data.shape[1] * (2 // bits) * (5 - first), LANES), np.float32)
+        parts = _parts(bits, LANES)
+        tables = np.empty((data.shape[1] * (2 // bits) * parts, LANES), np.float32)
         for m in range(x.shape[0]):
-            _lane_tables(x[m], bits, first, tables)
+            _lane_tables(x[m], bits, parts, tables)
             _simd_rows(tables, data, bits, scale, col_scale, out[m])
         return
     tables = np.empty((-(-x.shape[1] // 4), 256 if bits == 2 else 16), np.float32)
