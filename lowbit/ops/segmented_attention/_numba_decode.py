@@ -10,8 +10,12 @@ place and in memory order (all heads of a token are contiguous: reading them hea
 keeps a partial softmax state per row (running max, sum, unnormalized output); a second pass
 merges the splits of each row in split order (flash-decoding), so results do not depend on the
 thread count. Each score is one dot product over the feature axis, vectorized with reassociated
-partial sums (a fixed order for a given build: deterministic, not the left-to-right sum).
-Allocations are per item and linear: scores [rows, SPLIT_KEYS], partial outputs [rows, Dv].
+partial sums (a fixed order for a given build: deterministic, not the left-to-right sum). The
+scores are held [keys, rows], so each row's max, exps and sum run over the rows' lanes (each
+sum still in order of the keys): on one core of the 2-core EPYC Zen 4, 1024 cached keys at
+BitNet b1.58 2B's H = 20, Hkv = 5, D = 128, the step took 523-573 us against 619-693 with the
+rows' scalar loops (2 threads: 375-389 against 438-454). Allocations are per item and linear:
+scores [SPLIT_KEYS, rows], partial outputs [rows, Dv].
 
 Used when ``takes``: the keys have segments of their own (``k_lengths`` unlike ``lengths``: the
 calls without ``k_lengths`` keep the blocked kernels and their results bit for bit) and no
@@ -54,20 +58,40 @@ def _dot(a, b):
 
 @numba.njit(cache=True)
 def _scores(qs, heads_kv, k, ka, stop, scores):
-    """scores[r, j] = qs[r] . k[ka + j, heads_kv[r]] for the keys row r sees (ka + j < stop[r]),
+    """scores[j, r] = qs[r] . k[ka + j, heads_kv[r]] for the keys row r sees (ka + j < stop[r]),
     -inf for the others: the key rows are read in memory order, each once for every row."""
     neg = scores.dtype.type(-np.inf)
-    for j in range(scores.shape[1]):
+    for j in range(scores.shape[0]):
         for r in range(qs.shape[0]):
-            scores[r, j] = _dot(qs[r], k[ka + j, heads_kv[r]]) if ka + j < stop[r] else neg
+            scores[j, r] = _dot(qs[r], k[ka + j, heads_kv[r]]) if ka + j < stop[r] else neg
+
+
+@numba.njit(cache=True)
+def _probabilities(scores, seen, top, total):
+    """In place, rows in the lanes: ``top[r]`` the max of row r's scores over the keys it sees
+    (``j < seen[r]``; -inf: none), ``scores[j, r] = exp(scores[j, r] - top[r])`` there and
+    exactly 0 elsewhere, ``total[r]`` their sum in order of j."""
+    zero = scores.dtype.type(0)
+    top[:] = -np.inf
+    total[:] = zero
+    for j in range(scores.shape[0]):
+        for r in range(scores.shape[1]):
+            x = scores[j, r]
+            top[r] = max(top[r], x) if j < seen[r] else top[r]
+    for j in range(scores.shape[0]):
+        for r in range(scores.shape[1]):
+            # A hidden key weighs exactly 0 (and a row that sees none has no exp to take).
+            e = _exp(scores[j, r] - top[r]) if j < seen[r] else zero
+            scores[j, r] = e
+            total[r] += e
 
 
 @numba.njit(cache=True)
 def _weighted_values(weights, heads_kv, v, ka, acc):
-    """acc[r] += sum_j weights[r, j] * v[ka + j, heads_kv[r]], the value rows in memory order."""
-    for j in range(weights.shape[1]):
+    """acc[r] += sum_j weights[j, r] * v[ka + j, heads_kv[r]], the value rows in memory order."""
+    for j in range(weights.shape[0]):
         for r in range(acc.shape[0]):
-            e = weights[r, j]
+            e = weights[j, r]
             value = v[ka + j, heads_kv[r]]
             for d in range(acc.shape[1]):
                 acc[r, d] += e * value[d]
@@ -80,7 +104,6 @@ def _partials(q, k, v, offsets, k_offsets, items, scale, causal, group, m_part, 
     head r % H), m_part[it, r] the max of the scaled scores it sees among these keys (-inf:
     none), l_part[it, r] the sum of exp(score - max), acc_part[it, r] those weights times v."""
     heads, dim, dv = q.shape[1], q.shape[2], v.shape[2]
-    zero = q.dtype.type(0)
     for it in numba.prange(items.shape[0]):
         s, ka, kb = items[it, 0], items[it, 1], items[it, 2]
         q0 = offsets[s]
@@ -97,21 +120,15 @@ def _partials(q, k, v, offsets, k_offsets, items, scale, causal, group, m_part, 
                 qs[r, d] = q[p, r % heads, d] * scale
             heads_kv[r] = r % heads // group
             stop[r] = max(ka, min(kb, p + shift + 1)) if causal else kb
-        scores = np.empty((rows, kb - ka), q.dtype)
+        # Scores [keys, rows]: the softmax steps run along each row's column, over the rows'
+        # lanes (row by row, its max, exps and sum took a third of the item's time).
+        scores = np.empty((kb - ka, rows), q.dtype)
         _scores(qs, heads_kv, k, ka, stop, scores)
-        for r in range(rows):
-            seen = stop[r] - ka
-            top = -np.inf
-            for j in range(seen):
-                top = max(top, scores[r, j])
-            m_part[it, r] = top
-            total = zero
-            for j in range(kb - ka):
-                # A hidden key weighs exactly 0 (and a row that sees none has no exp to take).
-                e = _exp(scores[r, j] - top) if j < seen else zero
-                scores[r, j] = e
-                total += e
-            l_part[it, r] = total
+        top = np.empty(rows, q.dtype)
+        total = np.empty(rows, q.dtype)
+        _probabilities(scores, stop - ka, top, total)
+        m_part[it, :rows] = top
+        l_part[it, :rows] = total
         acc = np.zeros((rows, dv), q.dtype)
         _weighted_values(scores, heads_kv, v, ka, acc)
         acc_part[it, :rows] = acc
