@@ -7,13 +7,15 @@ Op: ``lowbit/ops/packed_matmul`` (formats in ``lowbit/ops/quantize``); reference
   the same call against a NumPy copy of the packed bytes (target 0.5: at least half the copy
   roofline; the ratio is copy time over GEMV time for the same number of bytes, and both GB/s
   columns count those bytes once, the copy's writes not included; the ``kernel`` column says
-  whether the AVX-512 VNNI kernels ran, here and in the GEMM rows), and the two portable Numba
-  GEMV variants (plane decode, lookup table) side by side;
+  whether the AVX-512 VNNI kernels ran, here and in the GEMM rows), the ternary and sign GEMV
+  with float32 activations (``act_format=None``: the table lookups of ``_lut_gemv.py``, checked
+  against float64 at this shape), and the two portable Numba GEMV variants (plane decode,
+  lookup table) side by side;
 - GEMV, ternary, 16 rows of K = N = 4096 (target 3x) and one row of 2560 x 6912 (BitNet
   b1.58 2B's widest projection, target 5x), each against NumPy float32 ``x @ W``; the ``kernel``
   column also names the 256-bit ``avx2`` / ``avxvnni`` kernels;
-- GEMM, M = 256: NumPy float32 matmul (baseline), packed GEMM (target 1.0), with the weight bytes
-  of both;
+- GEMM, M = 256: NumPy float32 matmul (baseline), packed GEMM (target 1.0; with float32
+  activations checked against float64), with the weight bytes of both;
 - the straight-through linear layer's backward (ternary weights, int8 activations) against its
   NumPy float32 equivalent: the exact path (target 1.0) and the opt-in int8 gradients (target
   2.0), with the cosine of the latter's dx and dw against the exact gradients;
