@@ -134,20 +134,19 @@ def _make_tile(bits, lanes):
             n0 = args[1]
             stride = builder.trunc(nbytes, _I32)
             lane = ir.Constant(ivec, list(range(lanes)))
-            splat = builder.shuffle_vector(
-                builder.insert_element(ir.Constant(ivec, None), stride, ir.Constant(_I32, 0)),
-                ir.Constant(ivec, None), ir.Constant(ivec, [0] * lanes))
-            index = builder.mul(lane, splat)
+            def splat(value):  # an i32 in every lane
+                one = builder.insert_element(ir.Constant(ivec, None), value, ir.Constant(_I32, 0))
+                return builder.shuffle_vector(one, ir.Constant(ivec, None),
+                                              ir.Constant(ivec, [0] * lanes))
+
+            index = builder.mul(lane, splat(stride))
             left = builder.trunc(builder.sub(N, n0), _I32)  # rows of the tile that exist
             bases, masks = [], []
             for r in range(ROW_VECTORS):
                 start = builder.mul(builder.add(n0, const(r * lanes)), nbytes)
                 bases.append(builder.gep(builder.bitcast(arr_d.data, _I8P), [start]))
                 limit = builder.sub(left, ir.Constant(_I32, r * lanes))
-                bound = builder.shuffle_vector(
-                    builder.insert_element(ir.Constant(ivec, None), limit, ir.Constant(_I32, 0)),
-                    ir.Constant(ivec, None), ir.Constant(ivec, [0] * lanes))
-                masks.append(builder.icmp_signed("<", lane, bound))
+                masks.append(builder.icmp_signed("<", lane, splat(limit)))
 
             def table(row):
                 return builder.load(ptr(builder, arr_t.data,
@@ -233,9 +232,7 @@ def _make_tile(bits, lanes):
                 byte = builder.add(builder.sub(nbytes, rem), b)
                 shift = builder.trunc(builder.mul(builder.add(builder.sub(const(4), rem), b),
                                                   const(8)), _I32)
-                splat_shift = builder.shuffle_vector(
-                    builder.insert_element(ir.Constant(ivec, None), shift, ir.Constant(_I32, 0)),
-                    ir.Constant(ivec, None), ir.Constant(ivec, [0] * lanes))
+                splat_shift = splat(shift)
                 for g in range(groups_per_byte):
                     group = builder.add(builder.mul(byte, const(groups_per_byte)), const(g))
                     shift0 = builder.add(splat_shift, ir.Constant(ivec, [4 * bits * g] * lanes))
