@@ -105,9 +105,10 @@ def _parts(bits, lanes):
 
 def _make_tile(bits, lanes):
     """Intrinsic ``tile(data, n0, tables, acc)``: ``acc[:ROW_VECTORS * lanes]`` = the sums of
-    weight rows ``n0 ..`` of ``data`` (C-contiguous uint8 [N, nbytes], nbytes >= 4; rows past N
-    read nothing and sum 0) against ``tables`` (C-contiguous float32 [nbytes * 8 // bits,
-    lanes]: code i's table in row i)."""
+    weight rows ``n0 ..`` of ``data`` (C-contiguous uint8 [N, nbytes], nbytes >= 4) against
+    ``tables`` (C-contiguous float32 [groups * parts, lanes], ``_lane_tables``: group g's
+    lookup i in row ``g * parts + i``). Lanes of rows past N read row N - 1 or nothing (never
+    past ``data``) and hold no sum the caller may use."""
     groups_per_byte = 2 // bits
     parts = _parts(bits, lanes)
     width = 4 // parts * bits  # bits of the packed word a lookup reads
