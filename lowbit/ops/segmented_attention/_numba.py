@@ -282,7 +282,7 @@ def _forward_fma(q, kt, vp, items, order, slots, scale, causal, group, out, lse)
             wide = -(-rows // lanes) * lanes
             _pack_columns(q, q0, rows, h, scale, qt)
             m = np.full(wide, -np.inf, np.float32)
-            alpha = np.empty(wide, np.float32)
+            old = np.empty(wide, np.float32)  # the max before a chunk
             den = np.zeros(wide, np.float32)
             acc[:wide] = 0
             stop = _key_stop(q1, s1, shift, causal)
@@ -290,12 +290,16 @@ def _forward_fma(q, kt, vp, items, order, slots, scale, causal, group, out, lse)
                 k1 = min(k0 + CHUNK_K, stop)
                 block = _matrix(scores, k1 - k0, wide)
                 _scores(kt[g, k0:k1], k1 - k0, qt, 0, block)
-                alpha[:] = m
+                old[:] = m
                 _column_max(block, m, q0 + shift - k0, causal)
+                # A row whose max did not move keeps its state (a factor of exactly 1): most
+                # rows after the first chunks.
                 for r in range(wide):
-                    alpha[r] = _rescale(alpha[r], m[r])
-                    den[r] *= alpha[r]
-                    acc[r] *= alpha[r]
+                    if m[r] != old[r]:
+                        alpha = _rescale(old[r], m[r])
+                        den[r] *= alpha
+                        for d in range(acc.shape[1]):
+                            acc[r, d] *= alpha
                 _exp_step(block, m, den, q0 + shift - k0, causal)
                 # out's rows are the query lanes: A = block^T, read down its columns.
                 _accumulate(acc, block, wide, 1, wide, k1 - k0, vp[g], k0)
