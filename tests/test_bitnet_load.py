@@ -10,6 +10,7 @@ tokenizer encodes, decodes and streams.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -132,6 +133,21 @@ def test_hf_1bitllm_spelling(tmp_path):
     assert config == m.config
     for name, v in m.norms.items():
         np.testing.assert_array_equal(params[name], v)
+
+
+@pytest.mark.parametrize("eos", [(7,), (7, 9), ()])
+def test_config_to_hf_dict(model, eos):
+    """``BitNetConfig.to_hf_dict`` writes the fields the independent writer's ``config.json``
+    holds (eos one id, a list, or null) and reads back to the same config."""
+    cfg = dataclasses.replace(model.config, eos_token_id=eos)
+    d = cfg.to_hf_dict()
+    json.dumps(d)  # a config.json, as written
+    want = bf.hf_config(model)
+    want["eos_token_id"] = eos[0] if len(eos) == 1 else (list(eos) or None)
+    del want["torch_dtype"]
+    assert {k: d[k] for k in want} == want
+    assert d["head_dim"] == cfg.head_dim
+    assert BitNetConfig.from_hf_dict(d) == cfg
 
 
 @pytest.mark.parametrize("shards", [2, 5])
