@@ -10,7 +10,8 @@ them, whatever the host would pick. Each run checks every weight format bit for 
 reference on shapes around the kernels' blocks (K not a multiple of a block, odd N, 1 to 100
 rows: GEMV and GEMM), the dx of int8 gradients (``matmul_dx_int``) on the same shapes, plus
 codes at the edges of the int16 bounds (activation and gradient code -128, every stored field
-at its largest), and asserts which kernel ran. AVX-VNNI code is compiled for Alder Lake and its
+at its largest), and asserts which kernel ran; the SIMD GEMV also runs on weights followed by
+an unreadable page (it reads a row's last block whole, on into the next row). AVX-VNNI code is compiled for Alder Lake and its
 assembly checked for the VEX-encoded ``vpdpbusd``; it runs only where the host CPU has AVX-VNNI.
 The float32 register tiles of ``_fma.py`` (the exact backward's, attention's and the low-rank
 residual's products) and the table-lookup products of ``_lut.py`` compiled for Haswell must give
@@ -122,6 +123,44 @@ def _run_checks(expect):
         assert {"gemv", "gemm", "gemm_dx"} <= set(calls), calls
 
 
+def _guarded(data):
+    """A copy of ``data`` ending where an unreadable page begins: a kernel that reads past the
+    array faults."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    pages = -(-data.nbytes // page) + 1
+    buf = mmap.mmap(-1, pages * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    guard = ctypes.c_void_p(base + (pages - 1) * page)
+    assert libc.mprotect(guard, ctypes.c_size_t(page), 0) == 0, ctypes.get_errno()  # PROT_NONE
+    out = np.frombuffer(buf, np.uint8, count=data.nbytes, offset=(pages - 1) * page - data.nbytes)
+    out = out.view(data.dtype).reshape(data.shape)
+    out[...] = data
+    return out
+
+
+def _guard_checks():
+    """The GEMV (one row, and a 4-row group with a remainder) on weights that end at an
+    unreadable page: rows that end inside a block (read on into the next row, the last ones
+    not), and rows shorter than a block."""
+    from lowbit.ops.packed_matmul import _numba
+
+    rng = np.random.default_rng(6)
+    # packed rows of 656 bytes (a 16-byte tail after 32-, 64- and 128-byte blocks) and 5 bytes
+    for format, K in [("ternary", 2624), ("ternary", 20), ("sign", 5248), ("sign", 40),
+                      ("int8", 656), ("int8", 5)]:
+        for M, N in [(1, 37), (5, 3)]:
+            x = (rng.standard_normal((M, K)) * 2).astype(np.float32)
+            data, scale = quantize_weight_ref(rng.standard_normal((K, N)), format)
+            cx, sx = quantize_activation_ref(x, "int8")
+            y = _numba.matmul_int(cx, sx, _guarded(data), scale, format, K)
+            np.testing.assert_array_equal(y, _ref(x, data, scale, format, K),
+                                          err_msg=f"guarded {format} {M}x{K}x{N}")
+
+
 def _subprocess(tmp_path, cpu, features, code):
     env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES=features,
                NUMBA_CACHE_DIR=str(tmp_path / "numba"), NUMBA_DISABLE_JIT="0")
@@ -130,6 +169,19 @@ def _subprocess(tmp_path, cpu, features, code):
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="mprotect")
+def test_gemv_reads_nothing_past_the_weight(tmp_path):
+    """This host's GEMV on weights followed by an unreadable page, in a subprocess (a read past
+    them faults); the Haswell run below checks the 256-bit GEMV so."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    code = "import test_packed_matmul_targets as t; t._guard_checks(); print('ok')"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
+        f"exit {proc.returncode}: {proc.stdout}{proc.stderr}")
 
 
 def test_host_kernels_match_reference():
@@ -155,7 +207,8 @@ def test_host_kernels_match_reference():
 def test_haswell_target_matches_reference(tmp_path):
     """The AVX2 kernels compiled for Haswell (no AVX-512, no AVX-VNNI), run and checked."""
     out = _subprocess(tmp_path, "haswell", HASWELL,
-                      "import test_packed_matmul_targets as t; t._run_checks('avx2'); print('ok')")
+                      "import test_packed_matmul_targets as t; t._run_checks('avx2'); t._guard_checks(); "
+                      "print('ok')")
     assert out.strip().endswith("ok")
 
 
