@@ -8,8 +8,8 @@ Op: ``lowbit/ops/packed_matmul`` (formats in ``lowbit/ops/quantize``); reference
   roofline; the ratio is copy time over GEMV time for the same number of bytes, and both GB/s
   columns count those bytes once, the copy's writes not included; the ``kernel`` column says
   whether the AVX-512 VNNI kernels ran, here and in the GEMM rows), the ternary and sign GEMV
-  with float32 activations (``act_format=None``: the table lookups of ``_lut_gemv.py``, checked
-  against float64 at this shape), and the two portable Numba GEMV variants (plane decode,
+  with float32 activations (``act_format=None``: the table lookups of ``_lut_gemv.py``; int8
+  weights: ``_f32_gemv.py``; checked against float64 at this shape), and the two portable Numba GEMV variants (plane decode,
   lookup table) side by side;
 - GEMV, ternary, 16 rows of K = N = 4096 (target 3x) and one row of 2560 x 6912 (BitNet
   b1.58 2B's widest projection, target 5x), each against NumPy float32 ``x @ W``; the ``kernel``
@@ -127,14 +127,17 @@ def _kernel(backend):
     return "portable"
 
 
-def _float_kernel(backend, grad=False, rows=None):
-    """Which numba kernels the float-activation rows run for ternary weights: the table lookups
-    (``_lut.py``; for one row ``_lut_gemv.py``'s, in registers of ``LANES`` lanes or scalar),
-    and for the exact backward also dw's (FMA tiles or BLAS blocks)."""
+def _float_kernel(backend, grad=False, rows=None, fmt="ternary"):
+    """Which numba kernels the float-activation rows run: for ternary and sign weights the table
+    lookups (``_lut.py``; for one row ``_lut_gemv.py``'s, in registers of ``LANES`` lanes or
+    scalar), for one row of int8 weights ``_f32_gemv.py`` or the decoded tiles, and for the exact
+    backward also dw's (FMA tiles or BLAS blocks)."""
     if _kernel(backend) == "-":
         return "-"
     from lowbit.ops.packed_matmul import _numba
-    from lowbit.ops.packed_matmul._numba import _lut_gemv
+    from lowbit.ops.packed_matmul._numba import _f32_gemv, _lut_gemv
+    if fmt == "int8":
+        return "f32 gemv (fma)" if _f32_gemv.AVAILABLE else "decoded tiles + blas"
     if rows == 1:
         lanes = _lut_gemv.LANES
         return f"lut gemv ({lanes}-lane permutes)" if lanes else "lut gemv (scalar)"
@@ -216,7 +219,7 @@ def cases(config: Config):
     yield Case(SUITE, "gemv numpy f32", fn=lambda: x1 @ w, nbytes=w.nbytes,
                flops=2.0 * K * N, info={"shape": f"1x{K}x{N}", "weight B": w.nbytes})
     for fmt, act in (("ternary", "int8"), ("sign", "int8"), ("int8", "int8"), ("ternary", None),
-                     ("sign", None)):
+                     ("sign", None), ("int8", None)):
         p = packed[fmt]
         fn = run(lambda p=p, act=act: lowbit.packed_matmul(x1, p, act))
 
@@ -228,7 +231,7 @@ def cases(config: Config):
                 _check_float(x1, p, fn())
 
         info = {"shape": f"1x{K}x{N}", "format": f"{fmt}/{act}", "weight B": p.nbytes,
-                "kernel": _kernel(backend) if act else _float_kernel(backend, rows=1)}
+                "kernel": _kernel(backend) if act else _float_kernel(backend, rows=1, fmt=fmt)}
         name = f"gemv {fmt} {label}" if act else f"gemv {fmt}/None {label}"
         yield Case(SUITE, name, fn=fn, check=check, baseline="gemv numpy f32",
                    target=5.0 if (fmt, act) == ("ternary", "int8") else None, nbytes=p.nbytes,

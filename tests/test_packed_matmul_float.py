@@ -13,10 +13,14 @@ per-row scales, a ternary field of 3 (the other path runs, as the reference read
 count not changing a bit, and (in ``tests/test_packed_matmul_targets.py``) the Haswell build
 giving the host's bits.
 
-The FMA tiles (``_fma.py``) and the BLAS blocks (``_backward.py``), with the tables held off
+Few rows of float activations times int8 weights (``_f32_gemv.py``) bit for bit against
+``_f32_gemv_oracle``, its documented lane order with every fused multiply-add rounded once in
+exact rationals. The FMA tiles (``_fma.py``) and the BLAS blocks (``_backward.py``), with the tables held off
 (they still run for int8 weights and wherever a table cannot), at their edges against the
 reference.
 """
+
+from fractions import Fraction
 
 import numba
 import numpy as np
@@ -25,7 +29,7 @@ from helpers import assert_close, assert_equal
 
 import lowbit
 from lowbit.ops.packed_matmul import _numba
-from lowbit.ops.packed_matmul._numba import _lut, _lut_gemv
+from lowbit.ops.packed_matmul._numba import _f32_gemv, _lut, _lut_gemv
 from lowbit.reference.packed_matmul import linear_bwd_int8_ref, linear_bwd_ref, packed_matmul_ref
 from lowbit.reference.quantize import quantize_weight_ref, unpack_weight_ref
 
@@ -127,6 +131,49 @@ def test_lut_gemv_kernels_against_the_oracle(rng, format):
                 y = np.empty((3, N), np.float32)
                 _lut_gemv.gemv(x, data, _numba._BITS[format], s, cs, y, simd)
                 assert_equal(f"{format} {K}x{N} per-row {per_row} simd {simd}", want, y)
+
+
+def _fma32(a, b, c):
+    """float32 ``a * b + c`` rounded once, to nearest with ties to even (exact rationals)."""
+    exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    near = np.float32(float(exact))
+    candidates = (near, np.nextafter(near, np.float32(-np.inf)),
+                  np.nextafter(near, np.float32(np.inf)))
+    return min(candidates, key=lambda v: (abs(Fraction(float(v)) - exact),
+                                          int(np.float32(v).view(np.int32)) & 1))
+
+
+def _f32_gemv_oracle(x, codes, scale):
+    """The order ``_f32_gemv`` documents: lane ``l`` fuses ``x[k] * code[k]`` for ``k = l, l +
+    64, ...``; lanes ``l`` and ``l + 32`` added, then ``l`` and ``l + 16``, then the 16 in order
+    from -0; times the column's scale."""
+    M, K = x.shape
+    out = np.empty((M, codes.shape[0]), np.float32)
+    for m in range(M):
+        for n in range(codes.shape[0]):
+            lanes = [np.float32(0)] * 64
+            for k in range(K):
+                lanes[k % 64] = _fma32(x[m, k], codes[n, k], lanes[k % 64])
+            half = [lanes[i] + lanes[i + 32] for i in range(32)]
+            total = np.float32(-0.0)
+            for i in range(16):
+                total = total + (half[i] + half[i + 16])
+            out[m, n] = total * scale[n]
+    return out
+
+
+@pytest.mark.skipif(not _f32_gemv.AVAILABLE, reason="needs AVX2 and FMA, or AVX-512")
+def test_f32_gemv_against_the_oracle(rng):
+    """Few rows of float activations times int8 weights (``_f32_gemv``) bit for bit against
+    ``_f32_gemv_oracle``: rows ending inside a block (read on into the next row; the last ones
+    from a padded copy), rows shorter than a block, whole blocks; one activation row and a group
+    of four with one more."""
+    for K, N in [(37, 3), (5, 9), (128, 5), (333, 7)]:
+        data, scale = quantize_weight_ref(rng.standard_normal((K, N)), "int8")
+        for M in (1, 5):
+            x = (rng.standard_normal((M, K)) * 3).astype(np.float32)
+            y = _f32_gemv.gemv(x, data, scale, np.empty((M, N), np.float32))
+            assert_equal(f"{M}x{K}x{N}", _f32_gemv_oracle(x, data, scale), y)
 
 
 @pytest.mark.parametrize("format", FORMATS)

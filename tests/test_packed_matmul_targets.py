@@ -10,12 +10,12 @@ them, whatever the host would pick. Each run checks every weight format bit for 
 reference on shapes around the kernels' blocks (K not a multiple of a block, odd N, 1 to 100
 rows: GEMV and GEMM), the dx of int8 gradients (``matmul_dx_int``) on the same shapes, plus
 codes at the edges of the int16 bounds (activation and gradient code -128, every stored field
-at its largest), and asserts which kernel ran; the SIMD GEMV also runs on weights followed by
-an unreadable page (it reads a row's last block whole, on into the next row). AVX-VNNI code is compiled for Alder Lake and its
-assembly checked for the VEX-encoded ``vpdpbusd``; it runs only where the host CPU has AVX-VNNI.
-The float32 register tiles of ``_fma.py`` (the exact backward's, attention's and the low-rank
-residual's products) and the table-lookup products of ``_lut.py`` compiled for Haswell must give
-the host's bits.
+at its largest), and asserts which kernel ran; the SIMD GEMVs also run on weights followed by
+an unreadable page (they read a row's last block whole, on into the next row). AVX-VNNI code is
+compiled for Alder Lake and its assembly checked for the VEX-encoded ``vpdpbusd``; it runs only
+where the host CPU has AVX-VNNI. The float32 register tiles of ``_fma.py`` (the exact backward's,
+attention's and the low-rank residual's products), ``_f32_gemv.py`` and the table-lookup
+products of ``_lut.py`` compiled for Haswell must give the host's bits.
 """
 
 import os
@@ -159,6 +159,10 @@ def _guard_checks():
             y = _numba.matmul_int(cx, sx, _guarded(data), scale, format, K)
             np.testing.assert_array_equal(y, _ref(x, data, scale, format, K),
                                           err_msg=f"guarded {format} {M}x{K}x{N}")
+            if format == "int8":  # float activations (``_f32_gemv`` where it runs)
+                y = _numba.matmul_float(x, _guarded(data), scale, format, K)
+                np.testing.assert_array_equal(y, _numba.matmul_float(x, data, scale, format, K),
+                                              err_msg=f"guarded float {M}x{K}x{N}")
 
 
 def _subprocess(tmp_path, cpu, features, code):
@@ -207,24 +211,30 @@ def test_host_kernels_match_reference():
 def test_haswell_target_matches_reference(tmp_path):
     """The AVX2 kernels compiled for Haswell (no AVX-512, no AVX-VNNI), run and checked."""
     out = _subprocess(tmp_path, "haswell", HASWELL,
-                      "import test_packed_matmul_targets as t; t._run_checks('avx2'); t._guard_checks(); "
-                      "print('ok')")
+                      "import test_packed_matmul_targets as t; t._run_checks('avx2'); "
+                      "t._guard_checks(); print('ok')")
     assert out.strip().endswith("ok")
 
 
 def _tile_digest():
-    """SHA-256 of the float32 register tiles' results (``_fma.panel_block``, which every kernel
-    built on the tiles calls: 1 to 13 rows, A read along its rows and down its columns, from
-    zero and accumulated, a short and a long reduction) with which tiles ran: every output is
-    the same fused multiply-adds in the same order on 512-bit and 256-bit vectors, so the
-    digests of two targets must be equal."""
+    """SHA-256 of ``_f32_gemv``'s results and of the float32 register tiles' (``_fma.panel_block``,
+    which every kernel built on the tiles calls: 1 to 13 rows, A read along its rows and down its
+    columns, from zero and accumulated, a short and a long reduction) with which tiles ran: every
+    output is the same fused multiply-adds in the same order on 512-bit and 256-bit vectors, so
+    the digests of two targets must be equal."""
     import hashlib
 
     from lowbit.ops.packed_matmul._numba import _fma
 
-    assert _fma.AVAILABLE, "no float32 tiles on this target"
+    from lowbit.ops.packed_matmul._numba import _f32_gemv
+
+    assert _fma.AVAILABLE and _f32_gemv.AVAILABLE, "no float32 tiles on this target"
     rng = np.random.default_rng(11)
     h = hashlib.sha256()
+    for M, K, N in [(1, 37, 3), (5, 333, 7)]:  # few rows of float activations, int8 weights
+        data, scale = quantize_weight_ref(rng.standard_normal((K, N)), "int8")
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        h.update(_f32_gemv.gemv(x, data, scale, np.empty((M, N), np.float32)).tobytes())
     for rows, count in [(1, 1), (5, 70), (6, 256), (13, 301)]:
         a = rng.standard_normal((rows, count)).astype(np.float32)
         at = np.ascontiguousarray(a.T)

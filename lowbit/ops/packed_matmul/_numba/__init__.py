@@ -52,8 +52,8 @@ _backend.numba_cache_guard(__file__, _quantize.__file__)
 
 from ...quantize import WEIGHT_FORMATS as _BITS  # noqa: E402
 from .. import _numpy  # noqa: E402
-from . import (_avx2, _avx2_gemm, _backward, _decode, _fma, _gemm_f64, _gemv, _lut,  # noqa: E402
-               _lut_gemv, _mkl, _vnni)
+from . import (_avx2, _avx2_gemm, _backward, _decode, _f32_gemv, _fma, _gemm_f64,  # noqa: E402
+               _gemv, _lut, _lut_gemv, _mkl, _vnni)
 
 #: Whether the integer GEMM (more rows than ``MKL_MIN_ROWS``) and the dx of int8 gradients run on
 #: oneMKL's ``cblas_gemm_s8u8s32`` (``_mkl.py``): where the CPU has AMX and ``lowbit[mkl]`` is
@@ -114,6 +114,13 @@ LUT_MIN_ROWS = 2
 #: 0.09 / 0.29 / 0.56 / 0.84 / 1.1 against 0.35-0.40; sign K = N = 4096 0.26 / 0.70 / 1.26 / 1.87
 #: / 2.61 against 2.3-2.8, K = N = 1024 0.04 / 0.15 / 0.31 / 0.46 / 0.61 against 0.46-0.54.
 LUT_GEMM_ROWS = {"ternary": 6, "sign": 12}
+#: Rows below which ``matmul_float`` of int8 weights runs ``_f32_gemv.gemv`` (where it can run)
+#: instead of decoding the weight to float32 tiles for BLAS. 2-core EPYC Zen 4, ms at 16 / 32 /
+#: 48 / 64 rows, gemv against tiles: K = N = 2560 4.4 / 11.5 / 15.0 / 22.0 against 13.6 / 16.7 /
+#: 16.6 / 17.9; K = 2560, N = 6912 16.5 / 27.4 / 34.9 / 47.7 against 28.4 / 31.5 / 34.4 / 37.7;
+#: K = 6912, N = 2560 13.5 / 26.0 / 38.4 / 56.4 against 24.8 / 26.2 / 29.7 / 36.6. One row at
+#: K = N = 2560: 0.12-0.16 ms against 2.9.
+F32_GEMV_ROWS = 32
 
 
 def _lut_product(a, data, format, K, scale_w, columns):
@@ -171,9 +178,10 @@ def matmul_float(x, data, scale_w, format, K):
     """x: [M, K] float32 -> [M, N] float32 ``(x @ codes_w) * scale_w``, float32 accumulation.
 
     Ternary and sign weights: the table-lookup kernels (``_lut_gemv.gemv`` below
-    ``LUT_GEMM_ROWS`` rows, else ``_lut.gemm``). Else (int8 weights, or a ternary field of 3 from
-    ``LUT_GEMM_ROWS`` rows) decodes TILE_N output columns at a time to float32, field-major, and
-    multiplies them with the activations permuted to match (BLAS).
+    ``LUT_GEMM_ROWS`` rows, else ``_lut.gemm``); int8 weights below ``F32_GEMV_ROWS`` rows with
+    AVX2 or AVX-512: ``_f32_gemv.gemv``. Else (more rows of int8 weights, or a ternary field of 3
+    from ``LUT_GEMM_ROWS`` rows) decodes TILE_N output columns at a time to float32,
+    field-major, and multiplies them with the activations permuted to match (BLAS).
     """
     M = x.shape[0]
     N, nbytes = data.shape
@@ -183,6 +191,9 @@ def matmul_float(x, data, scale_w, format, K):
         y = _lut_product(x, data, format, K, scale_w, False)
         if y is not None:
             return y
+    elif M < F32_GEMV_ROWS and _f32_gemv.AVAILABLE:
+        return _f32_gemv.gemv(x, _backend.read_only(data), scale_w.reshape(-1),
+                              _backend.empty((M, N), np.float32))
     xs = _decode.field_major(x, 8 // _BITS[format], nbytes)
     y = _backend.empty((M, N), np.float32)
     for n0 in range(0, N, TILE_N):
