@@ -144,9 +144,9 @@ def _fma32(a, b, c):
 
 
 def _f32_gemv_oracle(x, codes, scale):
-    """The order ``_f32_gemv`` documents: lane ``l`` fuses ``x[k] * code[k]`` for ``k = l, l +
-    64, ...``; lanes ``l`` and ``l + 32`` added, then ``l`` and ``l + 16``, then the 16 in order
-    from -0; times the column's scale."""
+    """The order ``_f32_gemv`` documents: lane ``l`` fuses ``x[k] * w[k]`` for ``k = l, l + 64,
+    ...``; lanes ``l`` and ``l + 32`` added, then ``l`` and ``l + 16``, ``l + 8``, ..., ``l + 1``;
+    times the row's scale."""
     M, K = x.shape
     out = np.empty((M, codes.shape[0]), np.float32)
     for m in range(M):
@@ -154,26 +154,50 @@ def _f32_gemv_oracle(x, codes, scale):
             lanes = [np.float32(0)] * 64
             for k in range(K):
                 lanes[k % 64] = _fma32(x[m, k], codes[n, k], lanes[k % 64])
-            half = [lanes[i] + lanes[i + 32] for i in range(32)]
-            total = np.float32(-0.0)
-            for i in range(16):
-                total = total + (half[i] + half[i + 16])
-            out[m, n] = total * scale[n]
+            while len(lanes) > 1:
+                half = len(lanes) // 2
+                lanes = [lanes[i] + lanes[i + half] for i in range(half)]
+            out[m, n] = lanes[0] * scale[n]
     return out
 
 
-@pytest.mark.skipif(not _f32_gemv.AVAILABLE, reason="needs AVX2 and FMA, or AVX-512")
-def test_f32_gemv_against_the_oracle(rng):
-    """Few rows of float activations times int8 weights (``_f32_gemv``) bit for bit against
-    ``_f32_gemv_oracle``: rows ending inside a block (read on into the next row; the last ones
-    from a padded copy), rows shorter than a block, whole blocks; one activation row and a group
-    of four with one more."""
-    for K, N in [(37, 3), (5, 9), (128, 5), (333, 7)]:
+def _stored(rng, dtype, K, N):
+    """Rows [N, K] in ``dtype`` (16-bit floats as their bits), their float32 values, scales."""
+    if dtype == "int8":
         data, scale = quantize_weight_ref(rng.standard_normal((K, N)), "int8")
+        return data, data.astype(np.float32), scale
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    if dtype == "bfloat16":
+        data = (w.view(np.uint32) >> 16).astype(np.uint16)
+        values = (data.astype(np.uint32) << 16).view(np.float32)
+    else:
+        data = w.astype(np.float16) if dtype == "float16" else w
+        values = data.astype(np.float32)
+    return data, values, rng.random(N).astype(np.float32) + 0.5
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16", "float16", "float32"])
+def test_f32_gemv_against_the_oracle(rng, dtype):
+    """Few rows of float activations times rows stored narrower (``_f32_gemv``: int8 weights'
+    forward, the BitNet head) bit for bit against ``_f32_gemv_oracle``: rows ending inside a
+    block (int8: read on into the next row; the last ones, and float rows, from a padded copy),
+    rows shorter than a block, whole blocks; one activation row and a group of four with one
+    more. A float row's infinity reaches no other row."""
+    if not _f32_gemv.ready(dtype):
+        pytest.skip(f"no {dtype} GEMV on this CPU")
+    for K, N in [(37, 3), (5, 9), (128, 5), (333, 7)]:
+        data, values, scale = _stored(rng, dtype, K, N)
         for M in (1, 5):
             x = (rng.standard_normal((M, K)) * 3).astype(np.float32)
-            y = _f32_gemv.gemv(x, data, scale, np.empty((M, N), np.float32))
-            assert_equal(f"{M}x{K}x{N}", _f32_gemv_oracle(x, data, scale), y)
+            y = _f32_gemv.gemv(x, data, scale, np.empty((M, N), np.float32), dtype)
+            want = _f32_gemv_oracle(x, values, scale)
+            assert_equal(f"{dtype} {M}x{K}x{N}", want, y)
+            if dtype != "int8":
+                kept = data[1, 0]
+                data[1, 0] = 0x7F80 if dtype == "bfloat16" else np.inf
+                y = _f32_gemv.gemv(x, data, scale, np.empty((M, N), np.float32), dtype)
+                assert_equal(f"{dtype} {M}x{K}x{N} inf in row 1", want[:, [0, 2]], y[:, [0, 2]])
+                data[1, 0] = kept
 
 
 @pytest.mark.parametrize("format", FORMATS)

@@ -1,21 +1,29 @@
-"""Few rows of float32 activations times int8 weight codes (``matmul_float`` of int8 weights,
-``act_format=None``) on AVX2 or AVX-512: each code is converted to float32 in registers as its
-weight row is read, so nothing is decoded to memory.
+"""Few rows of float32 activations times the rows of a matrix stored narrower (int8 codes,
+bfloat16 or float16 bits, or float32): each element is widened to float32 in registers as its
+row is read, so nothing is decoded to memory. ``matmul_float`` of int8 weights runs it (below
+``F32_GEMV_ROWS`` rows), and so does the BitNet output head (``lowbit/models/bitnet/_head.py``:
+the 16-bit tied embedding, or its int8 quantization).
 
-Siblings in ``lowbit/ops/packed_matmul/_numba/``: ``__init__.py`` (``matmul_float``, which runs
-this below ``F32_GEMV_ROWS`` rows where ``AVAILABLE``; more rows, and other CPUs, decode tiles of
-the weight to float32 for BLAS), ``_lut_gemv.py`` (the same product for ternary and sign codes),
-``_llvm.py`` (the IR helpers). Reference ``reference/packed_matmul.py``.
+Siblings in ``lowbit/ops/packed_matmul/_numba/``: ``__init__.py`` (``matmul_float``; more rows,
+and CPUs where ``ready`` is false, decode tiles of the weight to float32 for BLAS),
+``_lut_gemv.py`` (the same product for ternary and sign codes), ``_llvm.py`` (the IR helpers).
+Reference ``reference/packed_matmul.py``.
 
-The sum of one activation row with one weight row runs in 64 lanes: lane ``l`` adds ``x[k] *
-code[k]`` for ``k = l, l + 64, ...`` in order of ``k`` by fused multiply-adds, on four 16-lane
-(AVX-512) or eight 8-lane (AVX2) vectors; then lanes ``l`` and ``l + 32`` are added, those sums'
-lanes ``l`` and ``l + 16``, and the 16 results in order. Both widths do the same operations in the
-same order: the same bits. A row ends inside its last block of 64 codes with the activations
-zero past K (the row is read on into the next one, whose codes meet those zeros and add +-0);
-the last rows, whose block would end past the weight, are copied into a zero-padded row first,
-so a row's result never depends on where it sits.
+The sum of one activation row with one stored row runs in 64 lanes: lane ``l`` adds ``x[k] *
+w[k]`` for ``k = l, l + 64, ...`` in order of ``k`` by fused multiply-adds; then lanes ``l`` and
+``l + 32`` are added, then those sums' lanes ``l`` and ``l + 16``, ``l + 8``, ``l + 4``, ``l + 2``,
+``l + 1`` (a tree of fixed shape, four adds deep past the first two). These
+are LLVM vector operations on four 16-lane vectors, whose results do not depend on how the target
+splits them (one zmm register, two ymm, four NEON registers): the same bits on every CPU. An int8
+row that ends inside its last block of 64 is read on into the next row, whose codes meet
+activations that are zero past K and add +-0. A float row could hold an infinity or a NaN, whose
+product with zero is NaN, so float rows that end inside a block, and the last int8 rows (whose
+block would end past the matrix), are copied into a zero-padded row first: a row's result never
+depends on where it sits. With AVX-512 (32 registers) a read of a row serves four activation
+rows.
 """
+
+import platform
 
 import numba
 import numpy as np
@@ -27,39 +35,69 @@ from numba.extending import intrinsic
 from ._llvm import counted_loop, host_features, is_array, ptr
 
 _FEATURES = host_features()
-_WIDE = "+avx512f" in _FEATURES
-#: Whether this kernel runs here: AVX-512F, or AVX2 with FMA.
-AVAILABLE = _WIDE or {"+avx2", "+fma"} <= _FEATURES
-#: Codes of a weight row per loop iteration (the lanes of the sum).
+_ARM = platform.machine().lower() in ("aarch64", "arm64")
+#: Whether the kernel runs here: compiled code (no ``NUMBA_DISABLE_JIT``) on a CPU with fused
+#: multiply-adds in hardware (x86 FMA3, every 64-bit ARM CPU; elsewhere ``llvm.fma`` would be a
+#: library call per element).
+AVAILABLE = bool(_FEATURES) and ("+fma" in _FEATURES or _ARM)
+#: Elements of a row per loop iteration (the lanes of the sum).
 BLOCK = 64
-#: Weight rows of one parallel task.
+#: Stored rows of one parallel task.
 TASK_ROWS = 16
+#: Activation rows one read of a stored row serves: four with AVX-512's 32 registers (16
+#: accumulators), else one.
+GROUP = 4 if "+avx512f" in _FEATURES else 1
+#: The element types the kernel takes, by the name of what they hold (float16 and bfloat16 as
+#: their bits: Numba has no 16-bit float arrays).
+STORED = {"int8": np.int8, "bfloat16": np.uint16, "float16": np.int16, "float32": np.float32}
 
-_LANES = 16 if _WIDE else 8
-_F32 = ir.FloatType()
+_LANES = 16
+_F32, _I32 = ir.FloatType(), ir.IntType(32)
 _FV = ir.VectorType(_F32, _LANES)
+_KINDS = {types.int8: ("int8", ir.IntType(8), 1), types.uint16: ("bfloat16", ir.IntType(16), 2),
+          types.int16: ("float16", ir.IntType(16), 2), types.float32: ("float32", _F32, 4)}
 
 
-def _call(builder, name, ret, args):
-    fn = cgutils.get_or_insert_function(builder.module,
-                                        ir.FunctionType(ret, [a.type for a in args]), name)
-    return builder.call(fn, args)
+def ready(dtype):
+    """Whether ``gemv`` runs for rows of ``dtype`` (a ``STORED`` name) on this CPU: ``AVAILABLE``
+    and, for float16, a CPU that widens half floats in hardware (x86 F16C, 64-bit ARM)."""
+    return AVAILABLE and (dtype != "float16" or "+f16c" in _FEATURES or _ARM)
+
+
+def _fma(builder, a, b, c):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_FV, [_FV] * 3),
+                                        "llvm.fma.v16f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _widen(builder, v, kind):
+    """float32 lanes of a vector of stored elements."""
+    if kind == "int8":
+        return builder.sitofp(v, _FV)
+    if kind == "bfloat16":
+        return builder.bitcast(builder.shl(builder.zext(v, ir.VectorType(_I32, _LANES)),
+                                           ir.Constant(ir.VectorType(_I32, _LANES),
+                                                       [16] * _LANES)), _FV)
+    if kind == "float16":
+        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), _LANES)), _FV)
+    return v
 
 
 def _dot_rows(rows):
     """Intrinsic ``dot(x, m0, data, n, nvec, s, out, col)``: ``out[m0 + r, col] = (sum of
-    x[m0 + r, k] * data[n, k] over k < 64 nvec) * s`` for ``r < rows``, each sum in the lane
-    order of the module docstring; every code is converted once for all rows. ``x``:
-    C-contiguous float32 [M, >= 64 nvec]; ``data``: C-contiguous int8 with at least ``64 nvec``
-    bytes from row ``n`` on; ``out``: C-contiguous float32."""
+    x[m0 + r, k] * w[n, k] over k < 64 nvec) * s`` for ``r < rows``, each sum in the lane order
+    of the module docstring; every element is widened once for all rows. ``x``: C-contiguous
+    float32 [M, >= 64 nvec]; ``data``: C-contiguous, one of ``STORED``'s types, with at least
+    ``64 nvec`` elements from row ``n`` on; ``out``: C-contiguous float32."""
 
     @intrinsic
     def dot(typingctx, x, m0, data, n, nvec, s, out, col):
-        if not (is_array(x, 2, (types.float32,)) and is_array(data, 2, (types.int8,))
+        if not (is_array(x, 2, (types.float32,)) and is_array(data, 2, tuple(_KINDS))
                 and is_array(out, 2, (types.float32,))):
             return None
         sig = types.void(x, types.intp, data, types.intp, types.intp, types.float32, out,
                          types.intp)
+        kind, element, width = _KINDS[data.dtype]
 
         def codegen(context, builder, signature, args):
             arr_x, arr_d, arr_o = (context.make_array(signature.args[i])(context, builder,
@@ -77,19 +115,20 @@ def _dot_rows(rows):
             x_rows = [row(arr_x, builder.add(args[1], const(r))) for r in range(rows)]
             d_row = row(arr_d, args[3])
             vectors = BLOCK // _LANES
-            codes = ir.VectorType(ir.IntType(8), _LANES)
+            stored = ir.VectorType(element, _LANES)
 
             def step(it, accs):
                 first = builder.mul(it, const(BLOCK))
                 new = list(accs)
                 for v in range(vectors):
                     k = builder.add(first, const(v * _LANES))
-                    w = builder.sitofp(builder.load(ptr(builder, d_row, k, codes), align=1), _FV)
+                    w = _widen(builder, builder.load(
+                        ptr(builder, d_row, builder.mul(k, const(width)), stored), align=1), kind)
                     for r in range(rows):
                         xv = builder.load(ptr(builder, x_rows[r], builder.mul(k, const(4)), _FV),
                                           align=4)
                         i = r * vectors + v
-                        new[i] = _call(builder, f"llvm.fma.v{_LANES}f32", _FV, [xv, w, new[i]])
+                        new[i] = _fma(builder, xv, w, new[i])
                 return new
 
             zero = ir.Constant(_FV, [0.0] * _LANES)
@@ -97,14 +136,15 @@ def _dot_rows(rows):
                                 "f32dot")
             for r in range(rows):
                 v = accs[r * vectors:(r + 1) * vectors]
-                half = vectors // 2
-                v = [builder.fadd(v[i], v[i + half]) for i in range(half)]  # lanes l, l + 32
-                quarter = half // 2
-                v = [builder.fadd(v[i], v[i + quarter]) for i in range(quarter)]  # l, l + 16
-                total = ir.Constant(_F32, -0.0)  # ordered: (((-0 + lane 0) + lane 1) + ...)
-                for part in v:
-                    total = _call(builder, f"llvm.vector.reduce.fadd.v{_LANES}f32", _F32,
-                                  [total, part])
+                lanes = builder.fadd(builder.fadd(v[0], v[2]), builder.fadd(v[1], v[3]))
+                half = _LANES
+                while half > 1:  # lanes l and l + half / 2, down to one
+                    half //= 2
+                    lo, hi = (builder.shuffle_vector(lanes, lanes, ir.Constant(
+                        ir.VectorType(_I32, half), list(range(o, o + half))))
+                        for o in (0, half))
+                    lanes = builder.fadd(lo, hi)
+                total = builder.extract_element(lanes, ir.Constant(_I32, 0))
                 at = ptr(builder, row(arr_o, builder.add(args[1], const(r))),
                          builder.mul(args[7], const(4)), _F32)
                 builder.store(builder.fmul(total, args[5]), at, align=4)
@@ -115,15 +155,12 @@ def _dot_rows(rows):
     return dot
 
 
-#: Activation rows one read of a weight row serves: four with AVX-512's 32 registers (16
-#: accumulators), one with AVX2's 16.
-GROUP = 4 if _WIDE else 1
 _DOT1, _DOTG = _dot_rows(1), _dot_rows(GROUP)
 
 
 @numba.njit(cache=True)
 def _row(x, data, n, nvec, s, out, col):
-    """Every activation row against weight row ``n`` of ``data``, into column ``col`` of out."""
+    """Every activation row against stored row ``n`` of ``data``, into column ``col`` of out."""
     M = x.shape[0]
     m = 0
     while m + GROUP <= M:
@@ -135,29 +172,38 @@ def _row(x, data, n, nvec, s, out, col):
 
 @numba.njit(parallel=True, cache=True)
 def _kernel(x, data, nvec, inside, scale_w, out):
-    """out[m, n] = (sum_k x[m, k] * data[n, k]) * scale_w[n or 0]; rows from ``inside`` on go
+    """out[m, n] = (sum_k x[m, k] * w[n, k]) * scale_w[n or 0]; rows from ``inside`` on go
     through a zero-padded copy."""
     N, K = data.shape
     stride = 1 if scale_w.shape[0] > 1 else 0
     for p in numba.prange((N + TASK_ROWS - 1) // TASK_ROWS):
-        for n in range(p * TASK_ROWS, min(N, p * TASK_ROWS + TASK_ROWS)):
-            if n < inside:
-                _row(x, data, n, nvec, scale_w[n * stride], out, n)
-            else:
-                pad = np.zeros((1, nvec * BLOCK), np.int8)
+        n0, n1 = p * TASK_ROWS, min(N, p * TASK_ROWS + TASK_ROWS)
+        for n in range(n0, min(n1, inside)):
+            _row(x, data, n, nvec, scale_w[n * stride], out, n)
+        if n1 > inside:
+            pad = np.zeros((1, nvec * BLOCK), data.dtype)
+            for n in range(max(n0, inside), n1):
                 pad[0, :K] = data[n]
                 _row(x, pad, 0, nvec, scale_w[n * stride], out, n)
 
 
-def gemv(x, data, scale_w, out):
-    """out [M, N] = ``(x @ codes_w) * scale_w`` for float32 ``x`` [M, K] and int8 codes ``data``
-    [N, K] (C-contiguous); ``scale_w``: float32 [1] or [N]."""
+def gemv(x, data, scale_w, out, dtype="int8"):
+    """out [M, N] = ``(x @ w.T) * scale_w`` for float32 ``x`` [M, K] and rows ``w`` [N, K]
+    stored in ``data`` (C-contiguous) as ``dtype`` (a ``STORED`` name; float16 and bfloat16 as
+    any 2-byte view of their bits); ``scale_w``: float32 [1] or [N]. Where ``ready(dtype)``."""
     M, K = x.shape
     N = data.shape[0]
+    data = data.view(STORED[dtype])
     nvec = -(-K // BLOCK)
     xp = np.zeros((M, nvec * BLOCK), np.float32)
     xp[:, :K] = x
-    # rows whose last block, read whole, ends inside data
-    inside = N if K % BLOCK == 0 else max(0, N - (nvec * BLOCK - 1) // K)
-    _kernel(xp, data, nvec, inside, scale_w, out)
+    # Rows whose last block, read whole, ends inside data; none of a float matrix's rows is
+    # read on into its neighbour (an infinity or NaN there times a zero activation is NaN).
+    if K % BLOCK == 0:
+        inside = N
+    elif dtype == "int8":
+        inside = max(0, N - (nvec * BLOCK - 1) // K)
+    else:
+        inside = 0
+    _kernel(xp, data, nvec, inside, np.ascontiguousarray(scale_w, np.float32).reshape(-1), out)
     return out
