@@ -11,16 +11,15 @@ Reference ``reference/packed_matmul.py``.
 
 The sum of one activation row with one stored row runs in 64 lanes: lane ``l`` adds ``x[k] *
 w[k]`` for ``k = l, l + 64, ...`` in order of ``k`` by fused multiply-adds; then lanes ``l`` and
-``l + 32`` are added, then those sums' lanes ``l`` and ``l + 16``, ``l + 8``, ``l + 4``, ``l + 2``,
-``l + 1`` (a tree of fixed shape, four adds deep past the first two). These
-are LLVM vector operations on four 16-lane vectors, whose results do not depend on how the target
-splits them (one zmm register, two ymm, four NEON registers): the same bits on every CPU. An int8
-row that ends inside its last block of 64 is read on into the next row, whose codes meet
-activations that are zero past K and add +-0. A float row could hold an infinity or a NaN, whose
-product with zero is NaN, so float rows that end inside a block, and the last int8 rows (whose
-block would end past the matrix), are copied into a zero-padded row first: a row's result never
-depends on where it sits. With AVX-512 (32 registers) a read of a row serves four activation
-rows.
+``l + 32`` are added, then those sums' lanes ``l`` and ``l + 16``, ``l + 8``, ``l + 4``, ``l +
+2``, ``l + 1``: a tree of fixed shape. These are LLVM vector operations on four 16-lane vectors,
+whose results do not depend on how the target splits them (one zmm register, two ymm, four NEON
+registers): the same bits on every CPU. An int8 row that ends inside its last block of 64 is
+read on into the next row, whose codes meet activations that are zero past K and add +-0. A
+float row could hold an infinity or a NaN, whose product with zero is NaN, so float rows that end
+inside a block, and the last int8 rows (whose block would end past the matrix), are copied into
+a zero-padded row first: a row's result never depends on where it sits. With AVX-512 (32
+registers) a read of a row serves four activation rows.
 """
 
 import platform
