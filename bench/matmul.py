@@ -9,8 +9,8 @@ Op: ``lowbit/ops/packed_matmul`` (formats in ``lowbit/ops/quantize``); reference
   columns count those bytes once, the copy's writes not included; the ``kernel`` column says
   whether the AVX-512 VNNI kernels ran, here and in the GEMM rows), the ternary and sign GEMV
   with float32 activations (``act_format=None``: the table lookups of ``_lut_gemv.py``; int8
-  weights: ``_f32_gemv.py``; checked against float64 at this shape), and the two portable Numba GEMV variants (plane decode,
-  lookup table) side by side;
+  weights: ``_f32_gemv.py``; checked against float64 at this shape), and the two portable
+  Numba GEMV variants (plane decode, lookup table) side by side;
 - GEMV, ternary, 16 rows of K = N = 4096 (target 3x) and one row of 2560 x 6912 (BitNet
   b1.58 2B's widest projection, target 5x), each against NumPy float32 ``x @ W``; the ``kernel``
   column also names the 256-bit ``avx2`` / ``avxvnni`` kernels;

@@ -178,10 +178,11 @@ def matmul_float(x, data, scale_w, format, K):
     """x: [M, K] float32 -> [M, N] float32 ``(x @ codes_w) * scale_w``, float32 accumulation.
 
     Ternary and sign weights: the table-lookup kernels (``_lut_gemv.gemv`` below
-    ``LUT_GEMM_ROWS`` rows, else ``_lut.gemm``); int8 weights below ``F32_GEMV_ROWS`` rows where
-    it runs (``_f32_gemv.AVAILABLE``): ``_f32_gemv.gemv``. Else (more rows of int8 weights, or a ternary field of 3
-    from ``LUT_GEMM_ROWS`` rows) decodes TILE_N output columns at a time to float32,
-    field-major, and multiplies them with the activations permuted to match (BLAS).
+    ``LUT_GEMM_ROWS`` rows, else ``_lut.gemm``); int8 weights below ``F32_GEMV_ROWS`` rows
+    where it runs (``_f32_gemv.AVAILABLE``): ``_f32_gemv.gemv``. Else (more rows of int8
+    weights, or a ternary field of 3 from ``LUT_GEMM_ROWS`` rows) decodes TILE_N output columns
+    at a time to float32, field-major, and multiplies them with the activations permuted to
+    match (BLAS).
     """
     M = x.shape[0]
     N, nbytes = data.shape
