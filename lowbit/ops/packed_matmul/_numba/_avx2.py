@@ -276,7 +276,7 @@ GEMV_COLUMNS = 16
 GEMV_PLANE_BYTES = 1 << 18
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _dot_rows(planes, data, bits, n0, width, c0, niter, acc):
     """``dot_group``'s sums for every activation row, four at a time, over weight rows ``n0 ..
     n0 + width``, ``niter`` blocks from byte ``c0``."""
