@@ -304,20 +304,21 @@ def test_malformed_packed_weight_is_refused(never_runs):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "int8"])
 def test_head_logits_every_dtype(rng, dtype):
-    """The output head on numba (its row GEMV for up to ``GEMV_ROWS`` rows, the blocked BLAS
-    path above) and numpy against float64 products of the decoded head: hidden sizes below,
-    at and past the GEMV's 64-element step, float16 subnormals, 1 to 9 rows."""
+    """The output head on numba (its row GEMV below ``F32_GEMV_ROWS`` rows, the blocked BLAS
+    path from there) and numpy against float64 products of the decoded head: hidden sizes
+    below, at and past the GEMV's 16-element step, float16 subnormals, 1 to 96 rows."""
     import lowbit
     from lowbit.models.bitnet import _head
+    from lowbit.ops.packed_matmul._numba import F32_GEMV_ROWS
 
-    for K in (1, 63, 64, 200):
+    for K in (1, 15, 16, 63, 200):
         w = (rng.standard_normal((37, K)) * 0.05).astype(np.float32)
         w[0, :] = 3e-6  # subnormal in float16, exactly widened
         head = (Dense.from_float(w, dtype) if dtype != "int8"
                 else _head.quantize_head(Dense(w, "float32")))
         decoded = (head.float32().astype(np.float64) if dtype != "int8" else
                    head.data.astype(np.float64) * head.scale.astype(np.float64)[:, None])
-        for M in (1, 3, _head.GEMV_ROWS, _head.GEMV_ROWS + 1):
+        for M in (1, 3, F32_GEMV_ROWS - 1, F32_GEMV_ROWS):
             x = rng.standard_normal((M, K)).astype(np.float32)
             for backend in ("numba", "numpy"):
                 with lowbit.use_backend(backend):

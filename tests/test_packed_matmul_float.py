@@ -144,16 +144,16 @@ def _fma32(a, b, c):
 
 
 def _f32_gemv_oracle(x, codes, scale):
-    """The order ``_f32_gemv`` documents: lane ``l`` fuses ``x[k] * w[k]`` for ``k = l, l + 64,
-    ...``; lanes ``l`` and ``l + 32`` added, then ``l`` and ``l + 16``, ``l + 8``, ..., ``l + 1``;
-    times the row's scale."""
+    """The order ``_f32_gemv`` documents: lane ``l`` fuses ``x[k] * w[k]`` for ``k = l, l + 16,
+    ...``; lanes ``l`` and ``l + 8`` added, then ``l`` and ``l + 4``, ``l + 2``, ``l + 1``; times
+    the row's scale."""
     M, K = x.shape
     out = np.empty((M, codes.shape[0]), np.float32)
     for m in range(M):
         for n in range(codes.shape[0]):
-            lanes = [np.float32(0)] * 64
+            lanes = [np.float32(0)] * 16
             for k in range(K):
-                lanes[k % 64] = _fma32(x[m, k], codes[n, k], lanes[k % 64])
+                lanes[k % 16] = _fma32(x[m, k], codes[n, k], lanes[k % 16])
             while len(lanes) > 1:
                 half = len(lanes) // 2
                 lanes = [lanes[i] + lanes[i + half] for i in range(half)]
@@ -177,27 +177,31 @@ def _stored(rng, dtype, K, N):
 
 
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16", "float16", "float32"])
-def test_f32_gemv_against_the_oracle(rng, dtype):
+def test_f32_gemv_against_the_oracle(rng, monkeypatch, dtype):
     """Few rows of float activations times rows stored narrower (``_f32_gemv``: int8 weights'
     forward, the BitNet head) bit for bit against ``_f32_gemv_oracle``: rows ending inside a
-    block (int8: read on into the next row; the last ones, and float rows, from a padded copy),
-    rows shorter than a block, whole blocks; one activation row and a group of four with one
-    more. A float row's infinity reaches no other row."""
+    vector (int8: read on into the next row; the last ones, and float rows, from a padded copy),
+    rows shorter than a vector, whole vectors; one activation row and a group of four with one
+    more; tiles of several stored rows and, as for a matrix read from memory (``STREAM_BYTES``),
+    of one. A float row's infinity reaches no other row."""
     if not _f32_gemv.ready(dtype):
         pytest.skip(f"no {dtype} GEMV on this CPU")
     for K, N in [(37, 3), (5, 9), (128, 5), (333, 7)]:
         data, values, scale = _stored(rng, dtype, K, N)
         for M in (1, 5):
             x = (rng.standard_normal((M, K)) * 3).astype(np.float32)
-            y = _f32_gemv.gemv(x, data, scale, np.empty((M, N), np.float32), dtype)
             want = _f32_gemv_oracle(x, values, scale)
-            assert_equal(f"{dtype} {M}x{K}x{N}", want, y)
-            if dtype != "int8":
-                kept = data[1, 0]
-                data[1, 0] = 0x7F80 if dtype == "bfloat16" else np.inf
+            for stream in (False, True):
+                monkeypatch.setattr(_f32_gemv, "STREAM_BYTES", 0 if stream else 1 << 62)
+                what = f"{dtype} {M}x{K}x{N}{', streamed' if stream else ''}"
                 y = _f32_gemv.gemv(x, data, scale, np.empty((M, N), np.float32), dtype)
-                assert_equal(f"{dtype} {M}x{K}x{N} inf in row 1", want[:, [0, 2]], y[:, [0, 2]])
-                data[1, 0] = kept
+                assert_equal(what, want, y)
+                if dtype != "int8":
+                    kept = data[1, 0]
+                    data[1, 0] = 0x7F80 if dtype == "bfloat16" else np.inf
+                    y = _f32_gemv.gemv(x, data, scale, np.empty((M, N), np.float32), dtype)
+                    assert_equal(f"{what}, inf in row 1", want[:, [0, 2]], y[:, [0, 2]])
+                    data[1, 0] = kept
 
 
 @pytest.mark.parametrize("format", FORMATS)

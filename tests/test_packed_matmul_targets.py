@@ -231,7 +231,8 @@ def _tile_digest():
     assert _fma.AVAILABLE and _f32_gemv.AVAILABLE, "no float32 tiles on this target"
     rng = np.random.default_rng(11)
     h = hashlib.sha256()
-    for M, K, N in [(1, 37, 3), (5, 333, 7)]:  # few rows of float activations, int8 weights
+    # few rows of float activations, int8 weights
+    for M, K, N in [(1, 37, 3), (5, 333, 7), (6, 4160, 9)]:
         data, scale = quantize_weight_ref(rng.standard_normal((K, N)), "int8")
         x = rng.standard_normal((M, K)).astype(np.float32)
         h.update(_f32_gemv.gemv(x, data, scale, np.empty((M, N), np.float32)).tobytes())

@@ -5,7 +5,8 @@ BitNet checkpoint, kept in its 16-bit precision: it is a decode step's largest s
 ``x @ codes * scale`` for ``quantize_head``'s int8 ``PackedWeight`` (float activations: the
 logits keep their precision).
 
-Numba runs a row-parallel GEMV over the 16-bit (or int8) rows for few rows of ``x`` (decode),
+Numba runs a row-parallel GEMV over the 16-bit (or int8) rows for few rows of ``x`` (decode:
+below ``lowbit.ops.packed_matmul._numba.F32_GEMV_ROWS``, as for the int8 weights' forward),
 each row widened to float32 in registers as it is read (the packed matmul's
 ``_numba/_f32_gemv.py``, which also runs its int8 weights with float activations); more rows
 (prefill) and the numpy backend decode blocks of rows to float32 and call the BLAS (the int8
@@ -23,8 +24,6 @@ from ...ops.packed_matmul import packed_matmul
 from ...ops.quantize import PackedWeight, quantize_weight
 from ._params import Dense
 
-#: Rows of ``x`` up to which numba's GEMV runs (above it, the blocked BLAS path).
-GEMV_ROWS = 8
 #: Head rows decoded to float32 per BLAS call on the blocked path.
 BLOCK_ROWS = 4096
 
@@ -36,10 +35,10 @@ def head_logits(x: Array, head: Dense | PackedWeight) -> Array:
     backend = _dispatch.select_backend(x, head.data)
     x = xp.ascontiguousarray(x, dtype=xp.float32)
     dtype = "int8" if isinstance(head, PackedWeight) else head.dtype
-    if backend == "numba" and M <= GEMV_ROWS:
-        from ...ops.packed_matmul._numba import _f32_gemv
+    if backend == "numba":
+        from ...ops.packed_matmul._numba import F32_GEMV_ROWS, _f32_gemv
 
-        if _f32_gemv.ready(dtype):
+        if M < F32_GEMV_ROWS and _f32_gemv.ready(dtype):
             scale = head.scale if isinstance(head, PackedWeight) else np.ones(1, np.float32)
             return _f32_gemv.gemv(x, np.ascontiguousarray(head.data), scale,
                                   np.empty((M, head.data.shape[0]), np.float32), dtype)

@@ -114,13 +114,16 @@ LUT_MIN_ROWS = 2
 #: 0.09 / 0.29 / 0.56 / 0.84 / 1.1 against 0.35-0.40; sign K = N = 4096 0.26 / 0.70 / 1.26 / 1.87
 #: / 2.61 against 2.3-2.8, K = N = 1024 0.04 / 0.15 / 0.31 / 0.46 / 0.61 against 0.46-0.54.
 LUT_GEMM_ROWS = {"ternary": 6, "sign": 12}
-#: Rows below which ``matmul_float`` of int8 weights runs ``_f32_gemv.gemv`` (where it can run)
-#: instead of decoding the weight to float32 tiles for BLAS. 2-core EPYC Zen 4, ms at 16 / 32 /
-#: 48 / 64 rows, gemv against tiles: K = N = 2560 4.4 / 11.5 / 15.0 / 22.0 against 13.6 / 16.7 /
-#: 16.6 / 17.9; K = 2560, N = 6912 16.5 / 27.4 / 34.9 / 47.7 against 28.4 / 31.5 / 34.4 / 37.7;
-#: K = 6912, N = 2560 13.5 / 26.0 / 38.4 / 56.4 against 24.8 / 26.2 / 29.7 / 36.6. One row at
-#: K = N = 2560: 0.12-0.16 ms against 2.9.
-F32_GEMV_ROWS = 32
+#: Rows below which ``matmul_float`` of int8 weights (and the BitNet head) runs
+#: ``_f32_gemv.gemv`` (where it can run) instead of decoding the weight to float32 tiles for
+#: BLAS. 2-core EPYC Zen 4, ms at 16 / 32 / 64 / 96 / 128 rows, gemv against tiles: K = N = 2560
+#: 2.5 / 7.7 / 9.4 / 11.9 / 16.8 against 13.0 / 14.1 / 19.0 / 20.2 / 23.1; K = 2560, N = 6912
+#: 7.7 / 16.6 / 24.9 / 34.7 / 45.6 against 25.6 / 35.4 / 38.6 / 49.0 / 52.1; K = 6912, N = 2560
+#: 7.4 / 14.5 / 20.6 / 32.6 / 47.7 against 20.7 / 21.5 / 26.3 / 32.7 / 39.5. BitNet 2B's bf16
+#: head (128256 x 2560) at 8 / 16 / 32 / 64 rows: 82 / 112 / 168 / 270 against 540 / 582 / 613 /
+#: 750 (its blocks decode every row to float32). One row at K = N = 2560: 0.12-0.16 ms against
+#: 2.9.
+F32_GEMV_ROWS = 96
 
 
 def _lut_product(a, data, format, K, scale_w, columns):
