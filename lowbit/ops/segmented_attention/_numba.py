@@ -46,13 +46,13 @@ import numba
 import numpy as np
 
 from ... import _backend
-from ..packed_matmul._numba import _fma, _llvm
+from ..packed_matmul._numba import _f32_gemv, _fma, _llvm
 from . import _numba_decode, _numba_exp
 from ._numba_softmax import _column_max, _exp_columns, _probabilities_and_dscores
 
 # The tile kernels call the tiles of ``_fma.py`` and the intrinsics of ``_numba_exp.py`` built
 # with ``_llvm.py``'s helpers, which Numba's cache does not key on.
-_backend.numba_cache_guard(__file__, _fma.__file__, _llvm.__file__)
+_backend.numba_cache_guard(__file__, _fma.__file__, _llvm.__file__, _f32_gemv.__file__)
 
 #: Whether float32 runs the register tiles of ``_fma.py`` (else BLAS, as float64 does).
 USE_FMA = _fma.AVAILABLE
@@ -268,7 +268,7 @@ def _accumulate(acc, a, rows, si, sr, count, panels, r0):
 
 @numba.njit(parallel=True, cache=True)
 def _forward_fma(q, kt, vp, items, order, slots, scale, causal, group, out, lse):
-    dim, dv, lanes = q.shape[2], out.shape[2], _fma.PANEL
+    dim, lanes = q.shape[2], _fma.PANEL
     for slot in numba.prange(slots.size - 1):
         scores = np.empty(CHUNK_K * BLOCK_Q, np.float32)
         qt = np.empty((BLOCK_Q // lanes, dim, lanes), np.float32)

@@ -9,13 +9,18 @@ place and in memory order (all heads of a token are contiguous: reading them hea
 3x slower, bound by memory), computes the scores of every (query, head) row of the segment and
 keeps a partial softmax state per row (running max, sum, unnormalized output); a second pass
 merges the splits of each row in split order (flash-decoding), so results do not depend on the
-thread count. Each score is one dot product over the feature axis, vectorized with reassociated
-partial sums (a fixed order for a given build: deterministic, not the left-to-right sum). The
-scores are held [keys, rows], so each row's max, exps and sum run over the rows' lanes (each
-sum still in order of the keys): on one core of the 2-core EPYC Zen 4, 1024 cached keys at
-BitNet b1.58 2B's H = 20, Hkv = 5, D = 128, the step took 523-573 us against 619-693 with the
-rows' scalar loops (2 threads: 375-389 against 438-454). Allocations are per item and linear:
-scores [SPLIT_KEYS, rows], partial outputs [rows, Dv].
+thread count. In float32 with feature sizes that are multiples of 16 (``USE_TILES``), the
+scores and the weighted values run the register tiles of ``_f32_gemv.py``: the query rows of
+one kv head (GROUP at a time) against COLS keys, each key vector read once for the group and
+each score summed in that file's lane order; the values product keeps a tile of rows by 64
+columns in registers over the keys (fused multiply-adds in order of the keys). Elsewhere each
+score is one dot product over the feature axis, vectorized with reassociated partial sums (a
+fixed order for a given build), and the values are added row by row. The scores are held [keys,
+rows], so each row's max, exps and sum run over the rows' lanes (each sum still in order of the
+keys; the exps masked by a select, so that the loop vectorizes). A call with 1024 cached keys at
+BitNet b1.58 2B's H = 20, Hkv = 5, D = 128 on the 2-core EPYC Zen 4, 2 threads, in cache: 118 us
+against 208 for the dot products (compiled for Haswell: 186 against 254); 128 keys: 19 against
+27. Allocations are per item and linear: scores [SPLIT_KEYS, rows], partial outputs [rows, Dv].
 
 Used when ``takes``: the keys have segments of their own (``k_lengths`` unlike ``lengths``: the
 calls without ``k_lengths`` keep the blocked kernels and their results bit for bit) and no
@@ -29,7 +34,8 @@ import numba
 import numpy as np
 
 from ... import _backend
-from ._numba_softmax import _exp
+from ..packed_matmul._numba import _f32_gemv
+from ._numba_softmax import _CONTRACT, _EXP_MIN, _visible_exp
 
 #: Most queries per segment for this path; longer segments reuse each key over a query block,
 #: which the blocked kernels do better.
@@ -39,6 +45,9 @@ SHORT_ROWS = 16
 #: 129: 78 against 67 us, measured); a split's keys and values (64 KiB at Hkv = 5, D = 128 in
 #: float32) and scores stay in L2.
 SPLIT_KEYS = 32
+#: Whether float32 scores with a feature size that is a multiple of 16 run the register tiles
+#: of ``_f32_gemv.py`` (GROUP query rows of one kv head by COLS keys; else one dot per score).
+USE_TILES = _f32_gemv.AVAILABLE
 
 
 def takes(offsets, k_offsets):
@@ -67,6 +76,36 @@ def _scores(qs, heads_kv, k, ka, stop, scores):
 
 
 @numba.njit(cache=True)
+def _scores_tiles(qs, k2, ka, heads, kv_heads, group, scores):
+    """``_scores`` without the -inf (the callers' ``_probabilities`` masks by ``seen``), float32
+    by ``_f32_gemv``'s tiles: ``k2`` is the keys [tokens * kv_heads, D] (D a multiple of 16),
+    each tile the ``group`` query rows of one kv head (GROUP at a time) by COLS keys."""
+    one = np.ones(1, np.float32)
+    nvec = qs.shape[1] // 16
+    G, C = _f32_gemv.GROUP, _f32_gemv.COLS
+    keys = scores.shape[0]
+    for p in range(qs.shape[0] // heads):
+        for h in range(kv_heads):
+            r0 = p * heads + h * group
+            grouped = r0 + (group - group % G if G > 1 else 0)
+            j = 0
+            while j < keys:
+                n0 = (ka + j) * kv_heads + h
+                if j + C <= keys:
+                    for m in range(r0, grouped, G):
+                        _f32_gemv.T_GC(qs, m, k2, n0, kv_heads, nvec, one, 0, scores, j)
+                    for r in range(grouped, r0 + group):
+                        _f32_gemv.T_1C(qs, r, k2, n0, kv_heads, nvec, one, 0, scores, j)
+                    j += C
+                else:
+                    for m in range(r0, grouped, G):
+                        _f32_gemv.T_G1(qs, m, k2, n0, kv_heads, nvec, one, 0, scores, j)
+                    for r in range(grouped, r0 + group):
+                        _f32_gemv.T_11(qs, r, k2, n0, kv_heads, nvec, one, 0, scores, j)
+                    j += 1
+
+
+@numba.njit(cache=True, fastmath=_CONTRACT)
 def _probabilities(scores, seen, top, total):
     """In place, rows in the lanes: ``top[r]`` the max of row r's scores over the keys it sees
     (``j < seen[r]``; -inf: none), ``scores[j, r] = exp(scores[j, r] - top[r])`` there and
@@ -74,14 +113,16 @@ def _probabilities(scores, seen, top, total):
     zero = scores.dtype.type(0)
     top[:] = -np.inf
     total[:] = zero
+    low = scores.dtype.type(_EXP_MIN)
     for j in range(scores.shape[0]):
         for r in range(scores.shape[1]):
             x = scores[j, r]
-            top[r] = max(top[r], x) if j < seen[r] else top[r]
+            top[r] = x if x > top[r] and j < seen[r] else top[r]
     for j in range(scores.shape[0]):
         for r in range(scores.shape[1]):
-            # A hidden key weighs exactly 0 (and a row that sees none has no exp to take).
-            e = _exp(scores[j, r] - top[r]) if j < seen[r] else zero
+            # A hidden key weighs exactly 0 (and a row that sees none has no exp to take): the
+            # exp of every lane, masked by a select, so that the loop vectorizes.
+            e = _visible_exp(scores[j, r], top[r], j < seen[r], low, zero)
             scores[j, r] = e
             total[r] += e
 
@@ -97,41 +138,105 @@ def _weighted_values(weights, heads_kv, v, ka, acc):
                 acc[r, d] += e * value[d]
 
 
+@numba.njit(cache=True)
+def _weighted_values_tiles(weights, v2, ka, heads, kv_heads, group, acc):
+    """``_weighted_values`` of float32 by ``_f32_gemv``'s AXPY tiles: ``v2`` is the values
+    [tokens * kv_heads, Dv] (Dv a multiple of 16), each tile the ``group`` rows of one kv head
+    (GROUP at a time) by 64 (or 16) columns, the sums in registers over the keys."""
+    G = _f32_gemv.GROUP
+    keys = weights.shape[0]
+    vectors = acc.shape[1] // 16
+    for p in range(acc.shape[0] // heads):
+        for h in range(kv_heads):
+            r0 = p * heads + h * group
+            grouped = r0 + (group - group % G if G > 1 else 0)
+            n0 = ka * kv_heads + h
+            c = 0
+            while c < vectors:
+                if c + 4 <= vectors:
+                    for m in range(r0, grouped, G):
+                        _f32_gemv.AXPY_G4(weights, m, v2, n0, kv_heads, keys, acc, 16 * c)
+                    for r in range(grouped, r0 + group):
+                        _f32_gemv.AXPY_14(weights, r, v2, n0, kv_heads, keys, acc, 16 * c)
+                    c += 4
+                else:
+                    for m in range(r0, grouped, G):
+                        _f32_gemv.AXPY_G1(weights, m, v2, n0, kv_heads, keys, acc, 16 * c)
+                    for r in range(grouped, r0 + group):
+                        _f32_gemv.AXPY_11(weights, r, v2, n0, kv_heads, keys, acc, 16 * c)
+                    c += 1
+
+
+@numba.njit(cache=True)
+def _rows(q, offsets, k_offsets, item, scale, causal, group):
+    """The rows of a work item (segment, first key, key stop), row r = query r // H of the
+    segment, head r % H: their scaled queries (contiguous), kv heads and the end of the keys
+    each sees."""
+    heads, dim = q.shape[1], q.shape[2]
+    s, ka, kb = item[0], item[1], item[2]
+    q0 = offsets[s]
+    # Query p sees keys up to p + shift (bottom-right alignment), when causal.
+    shift = k_offsets[s + 1] - offsets[s + 1]
+    rows = (offsets[s + 1] - q0) * heads
+    qs = np.empty((rows, dim), q.dtype)
+    heads_kv = np.empty(rows, np.int64)
+    stop = np.empty(rows, np.int64)
+    for r in range(rows):
+        p = q0 + r // heads
+        for d in range(dim):
+            qs[r, d] = q[p, r % heads, d] * scale
+        heads_kv[r] = r % heads // group
+        stop[r] = max(ka, min(kb, p + shift + 1)) if causal else kb
+    return qs, heads_kv, stop
+
+
+@numba.njit(cache=True)
+def _softmax(scores, stop, ka, m_part, l_part, it):
+    """The softmax state of item ``it`` (``scores`` [keys, rows] to probabilities, in place)."""
+    rows = scores.shape[1]
+    top = np.empty(rows, scores.dtype)
+    total = np.empty(rows, scores.dtype)
+    _probabilities(scores, stop - ka, top, total)
+    m_part[it, :rows] = top
+    l_part[it, :rows] = total
+
+
 @numba.njit(parallel=True, cache=True)
 def _partials(q, k, v, offsets, k_offsets, items, scale, causal, group, m_part, l_part,
               acc_part):
     """Per item (segment, first key, key stop): for each row r (query r // H of the segment,
     head r % H), m_part[it, r] the max of the scaled scores it sees among these keys (-inf:
     none), l_part[it, r] the sum of exp(score - max), acc_part[it, r] those weights times v."""
-    heads, dim, dv = q.shape[1], q.shape[2], v.shape[2]
     for it in numba.prange(items.shape[0]):
-        s, ka, kb = items[it, 0], items[it, 1], items[it, 2]
-        q0 = offsets[s]
-        # Query p sees keys up to p + shift (bottom-right alignment), when causal.
-        shift = k_offsets[s + 1] - offsets[s + 1]
-        rows = (offsets[s + 1] - q0) * heads
-        # The rows' scaled queries, contiguous, their kv heads and the end of the keys they see.
-        qs = np.empty((rows, dim), q.dtype)
-        heads_kv = np.empty(rows, np.int64)
-        stop = np.empty(rows, np.int64)
-        for r in range(rows):
-            p = q0 + r // heads
-            for d in range(dim):
-                qs[r, d] = q[p, r % heads, d] * scale
-            heads_kv[r] = r % heads // group
-            stop[r] = max(ka, min(kb, p + shift + 1)) if causal else kb
+        ka, kb = items[it, 1], items[it, 2]
+        qs, heads_kv, stop = _rows(q, offsets, k_offsets, items[it], scale, causal, group)
         # Scores [keys, rows]: the softmax steps run along each row's column, over the rows'
         # lanes (row by row, its max, exps and sum took a third of the item's time).
-        scores = np.empty((kb - ka, rows), q.dtype)
+        scores = np.empty((kb - ka, qs.shape[0]), q.dtype)
         _scores(qs, heads_kv, k, ka, stop, scores)
-        top = np.empty(rows, q.dtype)
-        total = np.empty(rows, q.dtype)
-        _probabilities(scores, stop - ka, top, total)
-        m_part[it, :rows] = top
-        l_part[it, :rows] = total
-        acc = np.zeros((rows, dv), q.dtype)
+        _softmax(scores, stop, ka, m_part, l_part, it)
+        acc = np.zeros((qs.shape[0], v.shape[2]), q.dtype)
         _weighted_values(scores, heads_kv, v, ka, acc)
-        acc_part[it, :rows] = acc
+        acc_part[it, :qs.shape[0]] = acc
+
+
+@numba.njit(parallel=True, cache=True)
+def _partials_tiles(q, k, v, offsets, k_offsets, items, scale, causal, group, m_part, l_part,
+                    acc_part):
+    """``_partials`` of float32, the scores by ``_scores_tiles`` and the weighted values by
+    ``_weighted_values_tiles``."""
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    k2 = k.reshape((k.shape[0] * kv_heads, dim))
+    v2 = v.reshape((v.shape[0] * kv_heads, v.shape[2]))
+    for it in numba.prange(items.shape[0]):
+        ka, kb = items[it, 1], items[it, 2]
+        qs, _, stop = _rows(q, offsets, k_offsets, items[it], scale, causal, group)
+        scores = np.empty((kb - ka, qs.shape[0]), q.dtype)
+        _scores_tiles(qs, k2, ka, heads, kv_heads, group, scores)
+        _softmax(scores, stop, ka, m_part, l_part, it)
+        acc = np.zeros((qs.shape[0], v.shape[2]), q.dtype)
+        _weighted_values_tiles(scores, v2, ka, heads, kv_heads, group, acc)
+        acc_part[it, :qs.shape[0]] = acc
 
 
 @numba.njit(cache=True)
@@ -194,8 +299,11 @@ def forward(q, k, v, offsets, k_offsets, scale, causal):
     l_part = np.empty((n, rows), q.dtype)
     acc_part = np.empty((n, rows, dv), q.dtype)
     q, k, v = _backend.read_only(q, k, v)
-    _partials(q, k, v, offsets, k_offsets, items, q.dtype.type(scale), causal,
-              heads // k.shape[1], m_part, l_part, acc_part)
+    tiles = (USE_TILES and q.dtype == np.float32 and q.shape[2] % 16 == 0
+             and v.shape[2] % 16 == 0 and k.flags.c_contiguous and v.flags.c_contiguous)
+    (_partials_tiles if tiles else _partials)(
+        q, k, v, offsets, k_offsets, items, q.dtype.type(scale), causal, heads // k.shape[1],
+        m_part, l_part, acc_part)
     out = _backend.empty((tokens, heads, dv), q.dtype)
     lse = _backend.empty((heads, tokens), q.dtype)
     _merge(m_part, l_part, acc_part, offsets, first, heads // k.shape[1], out, lse)

@@ -3,7 +3,9 @@ or float16 bits, or float32): each element is widened to float32 in registers as
 so nothing is decoded to memory (decoding a row into a float32 buffer and a second pass over it
 took ~25% longer on BitNet 2B's bf16 head, 128256 x 2560). ``matmul_float`` of int8 weights runs it
 (below ``F32_GEMV_ROWS`` rows), and so does the BitNet output head
-(``lowbit/models/bitnet/_head.py``: the 16-bit tied embedding, or its int8 quantization).
+(``lowbit/models/bitnet/_head.py``: the 16-bit tied embedding, or its int8 quantization). The
+numba decode attention (``lowbit/ops/segmented_attention/_numba_decode.py``) runs its float32
+tiles on the keys (``T_*``: the scores transposed) and its ``AXPY_*`` tiles on the values.
 
 Siblings in ``lowbit/ops/packed_matmul/_numba/``: ``__init__.py`` (``matmul_float``; more rows, and
 CPUs where ``ready`` is false, decode tiles of the weight to float32 for BLAS), ``_lut_gemv.py``
@@ -94,28 +96,57 @@ def _widen(builder, v, kind):
     return v
 
 
-def _tile(rows, cols):
-    """Intrinsic ``dot(x, m0, data, n0, nvec, scale, stride, out, col0)``: ``out[m0 + r, col0 +
-    j] = (sum of x[m0 + r, k] * w[n0 + j, k] over k < 16 nvec) * scale[(col0 + j) stride]`` for
-    ``r < rows``, ``j < cols``, each sum in the lane order of the module docstring; each element
-    of ``x`` and of ``w`` is read (and widened) once for the tile. ``x``: C-contiguous float32
-    [M, >= 16 nvec]; ``data``: C-contiguous, one of ``STORED``'s types, with at least ``16
-    nvec`` elements from row ``n0 + j`` on; ``scale``, ``out``: C-contiguous float32."""
+def _lane_sums(builder, vectors):
+    """The tree sum of each 16-lane vector (lanes ``l`` and ``l + 8``, then ``l + 4``, ``l + 2``,
+    ``l + 1``), as scalars: the vectors are reduced in pairs, each step halving the lanes of
+    every sum and packing two vectors' halves into one, so that 16 vectors take 15 steps of two
+    shuffles and an add (the same additions as one tree per vector, in a quarter of the
+    operations)."""
+    parts = [(v, [i]) for i, v in enumerate(vectors)]  # (vector, the sums its segments hold)
+    width = _LANES  # lanes of one sum's segment
+    while width > 1:
+        half = width // 2
+        if len(parts) % 2:
+            parts.append((parts[-1][0], [None] * len(parts[-1][1])))
+        paired = []
+        for (a, ia), (b, ib) in zip(parts[::2], parts[1::2]):
+            lo = [base + s * width + o for base in (0, _LANES) for s in range(_LANES // width)
+                  for o in range(half)]
+            lo_v, hi_v = (builder.shuffle_vector(a, b, ir.Constant(
+                ir.VectorType(_I32, _LANES), [i + shift for i in lo])) for shift in (0, half))
+            paired.append((builder.fadd(lo_v, hi_v), ia + ib))
+        parts, width = paired, half
+    sums = [None] * len(vectors)
+    for vector, ids in parts:
+        for lane, i in enumerate(ids):
+            if i is not None and sums[i] is None:
+                sums[i] = builder.extract_element(vector, ir.Constant(_I32, lane))
+    return sums
+
+
+def _tile(rows, cols, transposed=False):
+    """Intrinsic ``dot(x, m0, data, n0, step, nvec, scale, stride, out, col0)``: ``out[m0 + r,
+    col0 + j] = (sum of x[m0 + r, k] * w[n0 + j step, k] over k < 16 nvec) * scale[(col0 + j)
+    stride]`` for ``r < rows``, ``j < cols`` (``transposed``: into ``out[col0 + j, m0 + r]``),
+    each sum in the lane order of the module docstring; each element of ``x`` and of ``w`` is
+    read (and widened) once for the tile. ``x``: C-contiguous float32 [M, >= 16 nvec]; ``data``:
+    C-contiguous, one of ``STORED``'s types, with at least ``16 nvec`` elements from row ``n0 +
+    j step`` on; ``scale``, ``out``: C-contiguous float32."""
 
     @intrinsic
-    def dot(typingctx, x, m0, data, n0, nvec, scale, stride, out, col0):
+    def dot(typingctx, x, m0, data, n0, step, nvec, scale, stride, out, col0):
         if not (is_array(x, 2, (types.float32,)) and is_array(data, 2, tuple(_KINDS))
                 and is_array(scale, 1, (types.float32,))
                 and is_array(out, 2, (types.float32,))):
             return None
-        sig = types.void(x, types.intp, data, types.intp, types.intp, scale, types.intp, out,
-                         types.intp)
+        sig = types.void(x, types.intp, data, types.intp, types.intp, types.intp, scale,
+                         types.intp, out, types.intp)
         kind, element, width = _KINDS[data.dtype]
 
         def codegen(context, builder, signature, args):
             arr_x, arr_d, arr_s, arr_o = (
                 context.make_array(signature.args[i])(context, builder, args[i])
-                for i in (0, 2, 5, 7))
+                for i in (0, 2, 6, 8))
             intp = context.get_value_type(types.intp)
 
             def const(value):
@@ -126,7 +157,8 @@ def _tile(rows, cols):
                     i, cgutils.unpack_tuple(builder, arr.strides, 2)[0]))
 
             x_rows = [row(arr_x, builder.add(args[1], const(r))) for r in range(rows)]
-            d_rows = [row(arr_d, builder.add(args[3], const(j))) for j in range(cols)]
+            d_rows = [row(arr_d, builder.add(args[3], builder.mul(args[4], const(j))))
+                      for j in range(cols)]
             stored = ir.VectorType(element, _LANES)
 
             def step(it, accs):
@@ -142,24 +174,18 @@ def _tile(rows, cols):
                 return new
 
             zero = ir.Constant(_FV, [0.0] * _LANES)
-            accs = counted_loop(builder, intp, args[4], [zero] * (rows * cols), step, "f32dot")
+            accs = counted_loop(builder, intp, args[5], [zero] * (rows * cols), step, "f32dot")
+            sums = _lane_sums(builder, accs)
             for r in range(rows):
-                out_row = row(arr_o, builder.add(args[1], const(r)))
+                m = builder.add(args[1], const(r))
                 for j in range(cols):
-                    lanes = accs[r * cols + j]
-                    half = _LANES
-                    while half > 1:  # lanes l and l + half / 2, down to one
-                        half //= 2
-                        lo, hi = (builder.shuffle_vector(lanes, lanes, ir.Constant(
-                            ir.VectorType(_I32, half), list(range(o, o + half))))
-                            for o in (0, half))
-                        lanes = builder.fadd(lo, hi)
-                    total = builder.extract_element(lanes, ir.Constant(_I32, 0))
-                    col = builder.add(args[8], const(j))
+                    col = builder.add(args[9], const(j))
                     s = builder.load(ptr(builder, arr_s.data, builder.mul(
-                        builder.mul(col, args[6]), const(4)), _F32), align=4)
-                    builder.store(builder.fmul(total, s), ptr(
-                        builder, out_row, builder.mul(col, const(4)), _F32), align=4)
+                        builder.mul(col, args[7]), const(4)), _F32), align=4)
+                    at = ((col, m) if transposed else (m, col))
+                    builder.store(builder.fmul(sums[r * cols + j], s), ptr(
+                        builder, row(arr_o, at[0]), builder.mul(at[1], const(4)), _F32),
+                        align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -168,6 +194,79 @@ def _tile(rows, cols):
 
 
 _GC, _1C, _G1, _11 = _tile(GROUP, COLS), _tile(1, COLS), _tile(GROUP, 1), _tile(1, 1)
+#: The same tiles with ``out`` transposed (``out[col0 + j, m0 + r]``; float32 rows): GROUP x COLS,
+#: 1 x COLS, GROUP x 1, 1 x 1. The numba decode attention's scores [keys, query rows] run them.
+T_GC, T_1C, T_G1, T_11 = (_tile(GROUP, COLS, True), _tile(1, COLS, True), _tile(GROUP, 1, True),
+                          _tile(1, 1, True))
+
+
+def _axpy_tile(rows, vectors):
+    """Intrinsic ``axpy(w, m0, data, n0, step, count, acc, c0)``: ``acc[m0 + r, c0 + c] += w[j,
+    m0 + r] * data[n0 + j step, c0 + c]`` for ``j < count`` in order (each a fused multiply-add),
+    ``r < rows``, ``c < 16 vectors``: the lanes stay in registers over ``j``, each vector of a
+    stored row read once for the rows. ``w``, ``acc``: C-contiguous float32 [*, > m0 + rows];
+    ``data``: C-contiguous float32 rows of at least ``c0 + 16 vectors`` elements."""
+
+    @intrinsic
+    def axpy(typingctx, w, m0, data, n0, step, count, acc, c0):
+        if not (is_array(w, 2, (types.float32,)) and is_array(data, 2, (types.float32,))
+                and is_array(acc, 2, (types.float32,))):
+            return None
+        sig = types.void(w, types.intp, data, types.intp, types.intp, types.intp, acc,
+                         types.intp)
+
+        def codegen(context, builder, signature, args):
+            arr_w, arr_d, arr_a = (context.make_array(signature.args[i])(context, builder,
+                                                                         args[i])
+                                   for i in (0, 2, 6))
+            intp = context.get_value_type(types.intp)
+
+            def const(value):
+                return ir.Constant(intp, value)
+
+            def row(arr, i):
+                return ptr(builder, arr.data, builder.mul(
+                    i, cgutils.unpack_tuple(builder, arr.strides, 2)[0]))
+
+            first = builder.mul(args[7], const(4))
+            at = [[ptr(builder, row(arr_a, builder.add(args[1], const(r))),
+                       builder.add(first, const(c * _LANES * 4)), _FV) for c in range(vectors)]
+                  for r in range(rows)]
+            initial = [builder.load(a, align=4) for per_row in at for a in per_row]
+
+            def step(it, accs):
+                d_row = row(arr_d, builder.add(args[3], builder.mul(it, args[4])))
+                vs = [builder.load(ptr(builder, d_row, builder.add(first, const(
+                    c * _LANES * 4)), _FV), align=4) for c in range(vectors)]
+                w_row = row(arr_w, it)
+                new = list(accs)
+                for r in range(rows):
+                    e = builder.load(ptr(builder, w_row, builder.mul(
+                        builder.add(args[1], const(r)), const(4)), _F32), align=4)
+                    splat = builder.shuffle_vector(
+                        builder.insert_element(ir.Constant(_FV, ir.Undefined), e,
+                                               ir.Constant(_I32, 0)),
+                        ir.Constant(_FV, ir.Undefined), ir.Constant(
+                            ir.VectorType(_I32, _LANES), [0] * _LANES))
+                    for c in range(vectors):
+                        new[r * vectors + c] = _fma(builder, splat, vs[c],
+                                                    new[r * vectors + c])
+                return new
+
+            accs = counted_loop(builder, intp, args[5], initial, step, "axpy")
+            for a, value in zip((a for per_row in at for a in per_row), accs):
+                builder.store(value, a, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return axpy
+
+
+#: GROUP rows by 4 vectors (64 columns), one row by 4 vectors, GROUP rows by one vector, one by
+#: one: the numba decode attention's weighted values.
+AXPY_G4, AXPY_14, AXPY_G1, AXPY_11 = (_axpy_tile(GROUP, 4), _axpy_tile(1, 4),
+                                      _axpy_tile(GROUP, 1), _axpy_tile(1, 1))
 
 
 @numba.njit(cache=True)
@@ -183,19 +282,19 @@ def _rows(x, data, r0, r1, nvec, scale_w, stride, out, col0, narrow):
         col = col0 + n - r0
         if n + COLS <= r1:
             for m in range(0, grouped, GROUP):
-                _GC(x, m, data, n, nvec, scale_w, stride, out, col)
+                _GC(x, m, data, n, 1, nvec, scale_w, stride, out, col)
             for r in range(grouped, M):
                 if narrow:
                     for j in range(COLS):
-                        _11(x, r, data, n + j, nvec, scale_w, stride, out, col + j)
+                        _11(x, r, data, n + j, 1, nvec, scale_w, stride, out, col + j)
                 else:
-                    _1C(x, r, data, n, nvec, scale_w, stride, out, col)
+                    _1C(x, r, data, n, 1, nvec, scale_w, stride, out, col)
             n += COLS
         else:
             for m in range(0, grouped, GROUP):
-                _G1(x, m, data, n, nvec, scale_w, stride, out, col)
+                _G1(x, m, data, n, 1, nvec, scale_w, stride, out, col)
             for r in range(grouped, M):
-                _11(x, r, data, n, nvec, scale_w, stride, out, col)
+                _11(x, r, data, n, 1, nvec, scale_w, stride, out, col)
             n += 1
 
 
