@@ -27,8 +27,8 @@ CASES = [
     # 300 keys: three splits of the numba decode path, ten key tiles of the CUDA kernels.
     pytest.param([1, 2], [300, 33], 4, 1, 16, 16, id="decode-group4-splits"),
     pytest.param([3, 5], [10, 6], 4, 2, 8, 6, id="chunked"),
-    # numba's float32 tiles (D, Dv multiples of 16): groups of 4 and 2 query heads, key counts
-    # that are not multiples of the tiles' 4, values in 64 and 16 columns.
+    # numba's float32 score tiles (D a multiple of 16): groups of 4 query heads (a tile of four
+    # rows) and of 2 (single rows), several queries in a segment, odd key counts.
     pytest.param([1, 3, 1], [45, 19, 6], 8, 2, 32, 80, id="decode-tiles"),
     pytest.param([2, 1], [37, 3], 6, 3, 16, 16, id="decode-tiles-group2"),
     pytest.param([6, 4], [2, 4], 2, 2, 5, 3, id="more-queries-than-keys"),

@@ -10,17 +10,20 @@ place and in memory order (all heads of a token are contiguous: reading them hea
 keeps a partial softmax state per row (running max, sum, unnormalized output); a second pass
 merges the splits of each row in split order (flash-decoding), so results do not depend on the
 thread count. In float32 with feature sizes that are multiples of 16 (``USE_TILES``), the
-scores and the weighted values run the register tiles of ``_f32_gemv.py``: the query rows of
-one kv head (GROUP at a time) against COLS keys, each key vector read once for the group and
-each score summed in that file's lane order; the values product keeps a tile of rows by 64
-columns in registers over the keys (fused multiply-adds in order of the keys). Elsewhere each
-score is one dot product over the feature axis, vectorized with reassociated partial sums (a
-fixed order for a given build), and the values are added row by row. The scores are held [keys,
-rows], so each row's max, exps and sum run over the rows' lanes (each sum still in order of the
-keys; the exps masked by a select, so that the loop vectorizes). A call with 1024 cached keys at
-BitNet b1.58 2B's H = 20, Hkv = 5, D = 128 on the 2-core EPYC Zen 4, 2 threads, in cache: 118 us
-against 208 for the dot products (compiled for Haswell: 186 against 254); 128 keys: 19 against
-27. Allocations are per item and linear: scores [SPLIT_KEYS, rows], partial outputs [rows, Dv].
+scores run the register tiles of ``_f32_gemv.py``: four query rows of one kv head against one
+key, the key's vectors read once for the four, each score summed in that file's lane order, the
+keys and their heads in memory order (tiles of four keys, one head at a time, ran ~15% slower
+when the cache came from memory). Elsewhere each score is one dot product over the feature
+axis, vectorized with reassociated partial sums (a fixed order for a given build). The scores
+are held [keys, rows], so each row's max, exps and sum run over the rows' lanes (each sum still
+in order of the keys; the exps masked by a select, so that the loop vectorizes). A call with
+1024 cached keys at BitNet b1.58 2B's H = 20, Hkv = 5, D = 128 on the 2-core EPYC Zen 4, 2
+threads, the tiles against the dot products in one process: 187 against 218 us with the cache
+in the caches (compiled for Haswell: 175 against 196), the same speed from memory (30 caches in
+turn: 241 against 256 us, Haswell 272 against 267), where the step is bound by the reads. A
+values product on register tiles of rows by 64 columns, summed over 16 keys of one head at a
+time, was 1.5x faster in cache but 10% slower from memory, so the values are added row by row.
+Allocations are per item and linear: scores [SPLIT_KEYS, rows], partial outputs [rows, Dv].
 
 Used when ``takes``: the keys have segments of their own (``k_lengths`` unlike ``lengths``: the
 calls without ``k_lengths`` keep the blocked kernels and their results bit for bit) and no
@@ -46,7 +49,7 @@ SHORT_ROWS = 16
 #: float32) and scores stay in L2.
 SPLIT_KEYS = 32
 #: Whether float32 scores with a feature size that is a multiple of 16 run the register tiles
-#: of ``_f32_gemv.py`` (GROUP query rows of one kv head by COLS keys; else one dot per score).
+#: of ``_f32_gemv.py`` (four query rows of one kv head by one key; else one dot per score).
 USE_TILES = _f32_gemv.AVAILABLE
 
 
@@ -79,30 +82,21 @@ def _scores(qs, heads_kv, k, ka, stop, scores):
 def _scores_tiles(qs, k2, ka, heads, kv_heads, group, scores):
     """``_scores`` without the -inf (the callers' ``_probabilities`` masks by ``seen``), float32
     by ``_f32_gemv``'s tiles: ``k2`` is the keys [tokens * kv_heads, D] (D a multiple of 16),
-    each tile the ``group`` query rows of one kv head (GROUP at a time) by COLS keys."""
+    each tile four query rows of one kv head (the rest of a group one at a time) by one key, the
+    keys and their heads in memory order (tiles of several keys, one head at a time, ran 15%
+    slower from memory at 1024 keys)."""
     one = np.ones(1, np.float32)
     nvec = qs.shape[1] // 16
-    G, C = _f32_gemv.GROUP, _f32_gemv.COLS
-    keys = scores.shape[0]
-    for p in range(qs.shape[0] // heads):
-        for h in range(kv_heads):
-            r0 = p * heads + h * group
-            grouped = r0 + (group - group % G if G > 1 else 0)
-            j = 0
-            while j < keys:
+    grouped = group - group % 4
+    for j in range(scores.shape[0]):
+        for p in range(qs.shape[0] // heads):
+            for h in range(kv_heads):
+                r0 = p * heads + h * group
                 n0 = (ka + j) * kv_heads + h
-                if j + C <= keys:
-                    for m in range(r0, grouped, G):
-                        _f32_gemv.T_GC(qs, m, k2, n0, kv_heads, nvec, one, 0, scores, j)
-                    for r in range(grouped, r0 + group):
-                        _f32_gemv.T_1C(qs, r, k2, n0, kv_heads, nvec, one, 0, scores, j)
-                    j += C
-                else:
-                    for m in range(r0, grouped, G):
-                        _f32_gemv.T_G1(qs, m, k2, n0, kv_heads, nvec, one, 0, scores, j)
-                    for r in range(grouped, r0 + group):
-                        _f32_gemv.T_11(qs, r, k2, n0, kv_heads, nvec, one, 0, scores, j)
-                    j += 1
+                for m in range(r0, r0 + grouped, 4):
+                    _f32_gemv.T_41(qs, m, k2, n0, kv_heads, nvec, one, 0, scores, j)
+                for r in range(r0 + grouped, r0 + group):
+                    _f32_gemv.T_11(qs, r, k2, n0, kv_heads, nvec, one, 0, scores, j)
 
 
 @numba.njit(cache=True, fastmath=_CONTRACT)
@@ -136,35 +130,6 @@ def _weighted_values(weights, heads_kv, v, ka, acc):
             value = v[ka + j, heads_kv[r]]
             for d in range(acc.shape[1]):
                 acc[r, d] += e * value[d]
-
-
-@numba.njit(cache=True)
-def _weighted_values_tiles(weights, v2, ka, heads, kv_heads, group, acc):
-    """``_weighted_values`` of float32 by ``_f32_gemv``'s AXPY tiles: ``v2`` is the values
-    [tokens * kv_heads, Dv] (Dv a multiple of 16), each tile the ``group`` rows of one kv head
-    (GROUP at a time) by 64 (or 16) columns, the sums in registers over the keys."""
-    G = _f32_gemv.GROUP
-    keys = weights.shape[0]
-    vectors = acc.shape[1] // 16
-    for p in range(acc.shape[0] // heads):
-        for h in range(kv_heads):
-            r0 = p * heads + h * group
-            grouped = r0 + (group - group % G if G > 1 else 0)
-            n0 = ka * kv_heads + h
-            c = 0
-            while c < vectors:
-                if c + 4 <= vectors:
-                    for m in range(r0, grouped, G):
-                        _f32_gemv.AXPY_G4(weights, m, v2, n0, kv_heads, keys, acc, 16 * c)
-                    for r in range(grouped, r0 + group):
-                        _f32_gemv.AXPY_14(weights, r, v2, n0, kv_heads, keys, acc, 16 * c)
-                    c += 4
-                else:
-                    for m in range(r0, grouped, G):
-                        _f32_gemv.AXPY_G1(weights, m, v2, n0, kv_heads, keys, acc, 16 * c)
-                    for r in range(grouped, r0 + group):
-                        _f32_gemv.AXPY_11(weights, r, v2, n0, kv_heads, keys, acc, 16 * c)
-                    c += 1
 
 
 @numba.njit(cache=True)
@@ -223,19 +188,17 @@ def _partials(q, k, v, offsets, k_offsets, items, scale, causal, group, m_part, 
 @numba.njit(parallel=True, cache=True)
 def _partials_tiles(q, k, v, offsets, k_offsets, items, scale, causal, group, m_part, l_part,
                     acc_part):
-    """``_partials`` of float32, the scores by ``_scores_tiles`` and the weighted values by
-    ``_weighted_values_tiles``."""
+    """``_partials`` of float32, the scores by ``_scores_tiles``."""
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     k2 = k.reshape((k.shape[0] * kv_heads, dim))
-    v2 = v.reshape((v.shape[0] * kv_heads, v.shape[2]))
     for it in numba.prange(items.shape[0]):
         ka, kb = items[it, 1], items[it, 2]
-        qs, _, stop = _rows(q, offsets, k_offsets, items[it], scale, causal, group)
+        qs, heads_kv, stop = _rows(q, offsets, k_offsets, items[it], scale, causal, group)
         scores = np.empty((kb - ka, qs.shape[0]), q.dtype)
         _scores_tiles(qs, k2, ka, heads, kv_heads, group, scores)
         _softmax(scores, stop, ka, m_part, l_part, it)
         acc = np.zeros((qs.shape[0], v.shape[2]), q.dtype)
-        _weighted_values_tiles(scores, v2, ka, heads, kv_heads, group, acc)
+        _weighted_values(scores, heads_kv, v, ka, acc)
         acc_part[it, :qs.shape[0]] = acc
 
 
@@ -300,7 +263,7 @@ def forward(q, k, v, offsets, k_offsets, scale, causal):
     acc_part = np.empty((n, rows, dv), q.dtype)
     q, k, v = _backend.read_only(q, k, v)
     tiles = (USE_TILES and q.dtype == np.float32 and q.shape[2] % 16 == 0
-             and v.shape[2] % 16 == 0 and k.flags.c_contiguous and v.flags.c_contiguous)
+             and k.flags.c_contiguous)
     (_partials_tiles if tiles else _partials)(
         q, k, v, offsets, k_offsets, items, q.dtype.type(scale), causal, heads // k.shape[1],
         m_part, l_part, acc_part)

@@ -5,7 +5,7 @@ took ~25% longer on BitNet 2B's bf16 head, 128256 x 2560). ``matmul_float`` of i
 (below ``F32_GEMV_ROWS`` rows), and so does the BitNet output head
 (``lowbit/models/bitnet/_head.py``: the 16-bit tied embedding, or its int8 quantization). The
 numba decode attention (``lowbit/ops/segmented_attention/_numba_decode.py``) runs its float32
-tiles on the keys (``T_*``: the scores transposed) and its ``AXPY_*`` tiles on the values.
+tiles on the keys (``T_*``: the scores transposed).
 
 Siblings in ``lowbit/ops/packed_matmul/_numba/``: ``__init__.py`` (``matmul_float``; more rows, and
 CPUs where ``ready`` is false, decode tiles of the weight to float32 for BLAS), ``_lut_gemv.py``
@@ -194,79 +194,10 @@ def _tile(rows, cols, transposed=False):
 
 
 _GC, _1C, _G1, _11 = _tile(GROUP, COLS), _tile(1, COLS), _tile(GROUP, 1), _tile(1, 1)
-#: The same tiles with ``out`` transposed (``out[col0 + j, m0 + r]``; float32 rows): GROUP x COLS,
-#: 1 x COLS, GROUP x 1, 1 x 1. The numba decode attention's scores [keys, query rows] run them.
-T_GC, T_1C, T_G1, T_11 = (_tile(GROUP, COLS, True), _tile(1, COLS, True), _tile(GROUP, 1, True),
-                          _tile(1, 1, True))
-
-
-def _axpy_tile(rows, vectors):
-    """Intrinsic ``axpy(w, m0, data, n0, step, count, acc, c0)``: ``acc[m0 + r, c0 + c] += w[j,
-    m0 + r] * data[n0 + j step, c0 + c]`` for ``j < count`` in order (each a fused multiply-add),
-    ``r < rows``, ``c < 16 vectors``: the lanes stay in registers over ``j``, each vector of a
-    stored row read once for the rows. ``w``, ``acc``: C-contiguous float32 [*, > m0 + rows];
-    ``data``: C-contiguous float32 rows of at least ``c0 + 16 vectors`` elements."""
-
-    @intrinsic
-    def axpy(typingctx, w, m0, data, n0, step, count, acc, c0):
-        if not (is_array(w, 2, (types.float32,)) and is_array(data, 2, (types.float32,))
-                and is_array(acc, 2, (types.float32,))):
-            return None
-        sig = types.void(w, types.intp, data, types.intp, types.intp, types.intp, acc,
-                         types.intp)
-
-        def codegen(context, builder, signature, args):
-            arr_w, arr_d, arr_a = (context.make_array(signature.args[i])(context, builder,
-                                                                         args[i])
-                                   for i in (0, 2, 6))
-            intp = context.get_value_type(types.intp)
-
-            def const(value):
-                return ir.Constant(intp, value)
-
-            def row(arr, i):
-                return ptr(builder, arr.data, builder.mul(
-                    i, cgutils.unpack_tuple(builder, arr.strides, 2)[0]))
-
-            first = builder.mul(args[7], const(4))
-            at = [[ptr(builder, row(arr_a, builder.add(args[1], const(r))),
-                       builder.add(first, const(c * _LANES * 4)), _FV) for c in range(vectors)]
-                  for r in range(rows)]
-            initial = [builder.load(a, align=4) for per_row in at for a in per_row]
-
-            def step(it, accs):
-                d_row = row(arr_d, builder.add(args[3], builder.mul(it, args[4])))
-                vs = [builder.load(ptr(builder, d_row, builder.add(first, const(
-                    c * _LANES * 4)), _FV), align=4) for c in range(vectors)]
-                w_row = row(arr_w, it)
-                new = list(accs)
-                for r in range(rows):
-                    e = builder.load(ptr(builder, w_row, builder.mul(
-                        builder.add(args[1], const(r)), const(4)), _F32), align=4)
-                    splat = builder.shuffle_vector(
-                        builder.insert_element(ir.Constant(_FV, ir.Undefined), e,
-                                               ir.Constant(_I32, 0)),
-                        ir.Constant(_FV, ir.Undefined), ir.Constant(
-                            ir.VectorType(_I32, _LANES), [0] * _LANES))
-                    for c in range(vectors):
-                        new[r * vectors + c] = _fma(builder, splat, vs[c],
-                                                    new[r * vectors + c])
-                return new
-
-            accs = counted_loop(builder, intp, args[5], initial, step, "axpy")
-            for a, value in zip((a for per_row in at for a in per_row), accs):
-                builder.store(value, a, align=4)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return axpy
-
-
-#: GROUP rows by 4 vectors (64 columns), one row by 4 vectors, GROUP rows by one vector, one by
-#: one: the numba decode attention's weighted values.
-AXPY_G4, AXPY_14, AXPY_G1, AXPY_11 = (_axpy_tile(GROUP, 4), _axpy_tile(1, 4),
-                                      _axpy_tile(GROUP, 1), _axpy_tile(1, 1))
+#: Tiles with ``out`` transposed (``out[col0 + j, m0 + r]``; float32 rows) of four rows by one
+#: stored row (8 ymm registers of sums with AVX2) and one by one: the numba decode attention's
+#: scores [keys, query rows].
+T_41, T_11 = _tile(4, 1, True), _tile(1, 1, True)
 
 
 @numba.njit(cache=True)
