@@ -256,7 +256,7 @@ def gemv(x, data, scale_w, out, dtype="int8"):
     nvec = -(-K // _LANES)
     xp = np.zeros((M, nvec * _LANES), np.float32)
     xp[:, :K] = x
-    # Rows whose last block, read whole, ends inside data; none of a float matrix's rows is
+    # Rows whose last vector, read whole, ends inside data; none of a float matrix's rows is
     # read on into its neighbour (an infinity or NaN there times a zero activation is NaN).
     if K % _LANES == 0:
         inside = N
