@@ -13,11 +13,11 @@ per-row scales, a ternary field of 3 (the other path runs, as the reference read
 count not changing a bit, and (in ``tests/test_packed_matmul_targets.py``) the Haswell build
 giving the host's bits.
 
-Few rows of float activations times int8 weights (``_f32_gemv.py``) bit for bit against
-``_f32_gemv_oracle``, its documented lane order with every fused multiply-add rounded once in
-exact rationals. The FMA tiles (``_fma.py``) and the BLAS blocks (``_backward.py``), with the tables held off
-(they still run for int8 weights and wherever a table cannot), at their edges against the
-reference.
+Few rows of float activations times rows stored narrower (``_f32_gemv.py``: int8, bfloat16,
+float16, float32) bit for bit against ``_f32_gemv_oracle``, its documented lane order with every
+fused multiply-add rounded once in exact rationals. The FMA tiles (``_fma.py``) and the BLAS
+blocks (``_backward.py``), with the tables held off (they still run for int8 weights and wherever
+a table cannot), at their edges against the reference.
 """
 
 from fractions import Fraction
