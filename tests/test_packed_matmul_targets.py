@@ -41,8 +41,10 @@ HASWELL, ALDERLAKE = cpu.TARGETS["haswell"], cpu.TARGETS["alderlake"]
 FORMATS = ("ternary", "sign", "int8")
 # (M, K, N): GEMV rows 1 and 3 (one 4-row group and a remainder), 32 (the GEMV's largest),
 # GEMM 33 and 100 (6-row tiles and a remainder; partial 16- and 64-column panels); K around the
-# GEMV blocks (32 to 128 packed bytes), the GEMM's four-K words and its int16 runs of 42 words.
-SHAPES = [(1, 1, 3), (1, 515, 7), (3, 301, 5), (32, 1031, 9), (33, 37, 1), (100, 677, 70)]
+# GEMV blocks (32 to 128 packed bytes), the GEMM's four-K words and its int16 runs of 42 words;
+# 1 x 3000 (750 ternary bytes: 23 blocks of 32, the AVX2 one-row kernel's spans of 5 and rest).
+SHAPES = [(1, 1, 3), (1, 515, 7), (1, 3000, 5), (3, 301, 5), (32, 1031, 9), (33, 37, 1),
+          (100, 677, 70)]
 
 
 def _ref(x, data, scale, format, K):
