@@ -24,7 +24,8 @@ RTOL = {np.float32: 1e-4, np.float64: 1e-10}
 CASES = [
     pytest.param([5, 9], [5, 9], 2, 1, 8, 8, id="equal"),
     pytest.param([1, 1, 1], [7, 1, 40], 4, 2, 8, 6, id="decode-grouped"),
-    # 300 keys: three splits of the numba decode path, ten key tiles of the CUDA kernels.
+    # 300 keys: five splits of 64 keys of the numba decode path (33 keys: two of 32, in the same
+    # call), ten key tiles of the CUDA kernels.
     pytest.param([1, 2], [300, 33], 4, 1, 16, 16, id="decode-group4-splits"),
     pytest.param([3, 5], [10, 6], 4, 2, 8, 6, id="chunked"),
     # numba's float32 score tiles (D a multiple of 16): groups of 4 query heads (a tile of four

@@ -4,7 +4,7 @@ against a KV cache (one query per sequence) and short chunks of it.
 The blocked kernels of ``_numba.py`` pack whole query blocks and copy the keys and values head
 by head before they start, which a decode step (one query row per sequence, thousands of cached
 keys, once per layer and generated token) would spend most of its time on. Here nothing is
-copied: one work item per (segment, split of ``SPLIT_KEYS`` keys) reads its keys and values in
+copied: one work item per (segment, split of ``split_keys`` keys) reads its keys and values in
 place and in memory order (all heads of a token are contiguous: reading them head by head ran
 3x slower, bound by memory), computes the scores of every (query, head) row of the segment and
 keeps a partial softmax state per row (running max, sum, unnormalized output); a second pass
@@ -23,7 +23,7 @@ in the caches (compiled for Haswell: 175 against 196), the same speed from memor
 turn: 241 against 256 us, Haswell 272 against 267), where the step is bound by the reads. A
 values product on register tiles of rows by 64 columns, summed over 16 keys of one head at a
 time, was 1.5x faster in cache but 10% slower from memory, so the values are added row by row.
-Allocations are per item and linear: scores [SPLIT_KEYS, rows], partial outputs [rows, Dv].
+Allocations are per item and linear: scores [split keys, rows], partial outputs [rows, Dv].
 
 Used when ``takes``: the keys have segments of their own (``k_lengths`` unlike ``lengths``: the
 calls without ``k_lengths`` keep the blocked kernels and their results bit for bit) and no
@@ -43,11 +43,24 @@ from ._numba_softmax import _CONTRACT, _EXP_MIN, _visible_exp
 #: Most queries per segment for this path; longer segments reuse each key over a query block,
 #: which the blocked kernels do better.
 SHORT_ROWS = 16
-#: Keys per work item (all heads): 128 cached keys give 4 items, 1024 give 32, enough to keep a
-#: few threads busy at one sequence (128 keys a split left one of 2 cores idle at a context of
-#: 129: 78 against 67 us, measured); a split's keys and values (64 KiB at Hkv = 5, D = 128 in
-#: float32) and scores stay in L2.
+#: Keys per work item (all heads) of a segment of ``k`` keys: ``SPLITS`` items of a multiple of
+#: 32 keys, at least ``SPLIT_KEYS`` (128 cached keys give 4 items, enough to keep a few threads
+#: busy at one sequence: 128 keys a split left one of 2 cores idle at a context of 129, 78
+#: against 67 us) and at most ``MAX_SPLIT_KEYS`` (its keys and values, 640 KiB at Hkv = 5, D =
+#: 128 in float32, and its scores stream through L2). Each item costs a few microseconds of its
+#: own (its rows, scratch and partial state, and their merge): at 1024 keys, BitNet 2B's H =
+#: 20, Hkv = 5, D = 128, 30 caches from DRAM in turn, compiled for Haswell on the 2-core EPYC
+#: Zen 4, 32 keys an item took 344 us a call, 64 277 us, 128 248 us (2048 keys: 511, 457, 445).
+#: A segment's split depends on its own keys only: its results do not depend on the thread count
+#: or on the other segments of the call.
+SPLITS = 8
 SPLIT_KEYS = 32
+MAX_SPLIT_KEYS = 128
+
+
+def split_keys(k_lengths):
+    """Keys per work item of each key segment (int64 array like ``k_lengths``)."""
+    return np.clip(-(-k_lengths // (32 * SPLITS)) * 32, SPLIT_KEYS, MAX_SPLIT_KEYS)
 #: Whether float32 scores with a feature size that is a multiple of 16 run the register tiles
 #: of ``_f32_gemv.py`` (four query rows of one kv head by one key; else one dot per score).
 USE_TILES = _f32_gemv.AVAILABLE
@@ -232,19 +245,20 @@ def _merge(m_part, l_part, acc_part, offsets, first, group, out, lse):
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(offset_bytes: bytes, k_offset_bytes: bytes, split: int):
+def _plan(offset_bytes: bytes, k_offset_bytes: bytes):
     """(items [n, 3] (segment, first key, key stop), first [segments + 1], most rows a segment
     has) of these segments, read-only: the same for every layer of a decode step."""
     offsets = np.frombuffer(offset_bytes, np.int64)
     k_offsets = np.frombuffer(k_offset_bytes, np.int64)
     k_lengths = np.diff(k_offsets)
+    split = split_keys(k_lengths)
     splits = np.maximum(1, -(-k_lengths // split))  # an empty key segment: one empty split
     first = np.zeros(splits.size + 1, np.int64)
     np.cumsum(splits, out=first[1:])
     # Items in (segment, split) order: segment s has items first[s]:first[s + 1].
     seg = np.repeat(np.arange(splits.size), splits)
-    ka = k_offsets[:-1][seg] + (np.arange(seg.size) - first[seg]) * split
-    items = np.stack([seg, ka, np.minimum(ka + split, k_offsets[1:][seg])],
+    ka = k_offsets[:-1][seg] + (np.arange(seg.size) - first[seg]) * split[seg]
+    items = np.stack([seg, ka, np.minimum(ka + split[seg], k_offsets[1:][seg])],
                      axis=1).astype(np.int64)
     items.flags.writeable = first.flags.writeable = False
     return items, first, int(np.diff(offsets).max())
@@ -255,7 +269,7 @@ def forward(q, k, v, offsets, k_offsets, scale, causal):
     tokens, heads, _ = q.shape
     dv = v.shape[2]
     items, first, most = _plan(np.ascontiguousarray(offsets, np.int64).tobytes(),
-                               np.ascontiguousarray(k_offsets, np.int64).tobytes(), SPLIT_KEYS)
+                               np.ascontiguousarray(k_offsets, np.int64).tobytes())
     rows = most * heads
     n = items.shape[0]
     m_part = np.empty((n, rows), q.dtype)
