@@ -20,7 +20,7 @@ in order of the keys; the exps masked by a select, so that the loop vectorizes).
 1024 cached keys at BitNet b1.58 2B's H = 20, Hkv = 5, D = 128 on the 2-core EPYC Zen 4, 2
 threads, the tiles against the dot products in one process: 187 against 218 us with the cache
 in the caches (compiled for Haswell: 175 against 196), the same speed from memory (30 caches in
-turn: 241 against 256 us, Haswell 272 against 267), where the step is bound by the reads. A
+turn: 241 against 256 us, Haswell 272 against 267; items of 32 keys then, see ``SPLITS``). A
 values product on register tiles of rows by 64 columns, summed over 16 keys of one head at a
 time, was 1.5x faster in cache but 10% slower from memory, so the values are added row by row.
 Allocations are per item and linear: scores [split keys, rows], partial outputs [rows, Dv].
@@ -61,6 +61,8 @@ MAX_SPLIT_KEYS = 128
 def split_keys(k_lengths):
     """Keys per work item of each key segment (int64 array like ``k_lengths``)."""
     return np.clip(-(-k_lengths // (32 * SPLITS)) * 32, SPLIT_KEYS, MAX_SPLIT_KEYS)
+
+
 #: Whether float32 scores with a feature size that is a multiple of 16 run the register tiles
 #: of ``_f32_gemv.py`` (four query rows of one kv head by one key; else one dot per score).
 USE_TILES = _f32_gemv.AVAILABLE

@@ -35,10 +35,11 @@ weight rows of a task in one loop nest. On AVX-512 VNNI this replaced a kernel o
 weight row and activation row, with 128-byte blocks (BitNet 2B's 210 decode projections from
 DRAM, one row, 2-core Intel Xeon: 69 against 37 ms; 16 rows 581 against 169 ms). On AVX2
 without VNNI, one activation row against 2-bit fields (BitNet's decode) runs ``_ternary_row``:
-fields masked in place (one shift a block, not four), int16 sums over five blocks, and a
+fields masked in place (one shift a block, not three), int16 sums over five blocks, and a
 software prefetch ``PREFETCH_BYTES`` ahead of the weight row (together 1.11-1.13x BitNet 2B's
-decode projections from DRAM, compiled for Haswell on a 2-core EPYC Zen 4; on AVX-512 VNNI
-neither the masks in place nor the prefetch moved its GEMV beyond the noise, +-4%).
+decode projections from DRAM, compiled for Haswell on a 2-core EPYC Zen 4). On AVX-512 VNNI
+neither the masks in place nor the prefetch moved that GEMV beyond the run-to-run noise
+(0.98-1.07x, int8 weights 0.92x with the prefetch), so they are not used there.
 
 The GEMM (more rows) is in ``_avx2_gemm.py``; it builds on the IR helpers here.
 """
@@ -130,8 +131,8 @@ def _sext16(builder, base, offset):
 
 
 def _field(builder, w, bits, j):
-    """Field j of a vector of packed bytes masked to the low bits of each byte (int8 codes: the bytes
-    with their sign bit flipped)."""
+    """Field j of a vector of packed bytes masked to the low bits of each byte (int8 codes: the
+    bytes with their sign bit flipped)."""
     if bits == 8:
         return builder.xor(w, _splat(w.type, 0x80808080 - (1 << 32)))
     mask = {2: 0x03030303, 1: 0x01010101}[bits]
