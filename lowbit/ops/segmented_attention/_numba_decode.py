@@ -22,7 +22,10 @@ threads, the tiles against the dot products in one process: 187 against 218 us w
 in the caches (compiled for Haswell: 175 against 196), the same speed from memory (30 caches in
 turn: 241 against 256 us, Haswell 272 against 267; items of 32 keys then, see ``SPLITS``). A
 values product on register tiles of rows by 64 columns, summed over 16 keys of one head at a
-time, was 1.5x faster in cache but 10% slower from memory, so the values are added row by row.
+time, was 1.5x faster in cache but 10% slower from memory, and four keys' value rows at a time
+(one load and store of the accumulators for four) 1.18x in cache, 0.84x from DRAM (1024 keys,
+Haswell build), so the values are added one key's row at a time. A prefetch of each key's
+values while its scores run cost 25% from DRAM.
 Allocations are per item and linear: scores [split keys, rows], partial outputs [rows, Dv].
 
 Used when ``takes``: the keys have segments of their own (``k_lengths`` unlike ``lengths``: the
