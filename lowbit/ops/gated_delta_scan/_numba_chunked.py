@@ -64,13 +64,13 @@ import numba
 import numpy as np
 
 from ... import _backend
-from ..packed_matmul._numba import _blas, _fma
+from ..packed_matmul._numba import _blas, _fma, _llvm
 from ._numba_chunked_tiles import (prefetch, prefetch_rows, product, tile4, tiles_fit,
                                    transpose, triangular_product, uses_tiles)
 
-# The products call the tiles of ``_fma.py`` and the BLAS binding of ``_blas.py``, which Numba's
-# cache does not key on.
-_backend.numba_cache_guard(__file__, _fma.__file__, _blas.__file__)
+# The products call the tiles of ``_fma.py``, the BLAS binding of ``_blas.py`` and the prefetch
+# of ``_llvm.py``, which Numba's cache does not key on.
+_backend.numba_cache_guard(__file__, _fma.__file__, _blas.__file__, _llvm.__file__)
 
 #: Tokens per block: flash-linear-attention's default and the default checkpoint chunk, so the
 #: backward needs no states between checkpoints; 16 and 32 were no faster at K = V = 64 (fewer

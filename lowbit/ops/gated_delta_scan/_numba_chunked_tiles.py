@@ -30,12 +30,10 @@ Siblings: ``_numba_chunked.py`` (the kernels), ``_numba.py``, ``_numpy.py``; tes
 """
 
 import numba
-from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..packed_matmul._numba import _fma
+from ..packed_matmul._numba import _fma, _llvm
 from ..packed_matmul._numba._blas import gemm
 
 
@@ -143,16 +141,7 @@ def _prefetcher(write):
 
         def codegen(context, builder, signature, args):
             data = context.make_array(signature.args[0])(context, builder, args[0]).data
-            byte = ir.IntType(8).as_pointer()
-            i32 = ir.IntType(32)
-            # The typed-pointer name of Numba's older LLVMs; newer ones upgrade it to theirs.
-            fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [byte, i32, i32, i32]),
-                "llvm.prefetch.p0i8")
-            where = builder.bitcast(builder.gep(data, [args[1]]), byte)
-            # read or write, locality 2 (L2 and outward), data cache
-            builder.call(fn, [where, ir.Constant(i32, int(write)), ir.Constant(i32, 2),
-                              ir.Constant(i32, 1)])
+            _llvm.prefetch(builder, builder.gep(data, [args[1]]), write, locality=2)
             return context.get_dummy_value()
 
         return sig, codegen

@@ -51,7 +51,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._llvm import counted_loop, host_features, is_array, ptr
+from ._llvm import counted_loop, host_features, is_array, prefetch, ptr
 from ._vnni import _planes
 
 _FEATURES = host_features()
@@ -160,19 +160,13 @@ TERNARY_SPAN = 5
 PREFETCH_BYTES = 2048
 
 
-def _prefetch(builder, base, offset):
-    """Prefetch (read, into all cache levels) the line ``PREFETCH_BYTES`` past ``offset``."""
-    at = ptr(builder, base, builder.add(offset, ir.Constant(offset.type, PREFETCH_BYTES)))
-    _call(builder, "llvm.prefetch.p0i8", ir.VoidType(),
-          [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-
-
 def _ternary_products(builder, row, at, offset):
     """The int16 pair sums ``(P0 + P2, 4 (P1 + P3))`` of the 32 packed bytes at byte ``offset`` of
     ``row``, ``Pf`` the ``vpmaddubsw`` products of field f with its plane ``at[f]``. One shift:
     fields 0 and 2 are masked by 0x03 from the bytes and from the bytes shifted right by 4,
     fields 1 and 3 by 0x0C, in place (four times their values)."""
-    _prefetch(builder, row, offset)
+    prefetch(builder, ptr(builder, row, builder.add(offset, ir.Constant(offset.type,
+                                                                       PREFETCH_BYTES))))
     w = builder.load(ptr(builder, row, offset, _V8), align=1)
     low, high = _splat(_V8, 0x03030303), _splat(_V8, 0x0C0C0C0C)
     s = builder.lshr(w, _splat(_V8, 4))
@@ -201,11 +195,11 @@ def _ternary_row(builder, intp, row, at, start, niter):
     def const(value):
         return ir.Constant(intp, value)
 
-    four, one = _splat(_W16, 4), _splat(_W16, 1)
+    four = _splat(_W16, 4)
 
     def widen(acc, sums):
         return builder.add(acc, builder.add(_madd(builder, sums[0], four),
-                                            _madd(builder, sums[1], one)))
+                                            _widen(builder, sums[1])))
 
     def products(block):
         return _ternary_products(builder, row, at,

@@ -1,4 +1,5 @@
-"""LLVM code generation helpers shared by the intrinsics of ``_vnni.py`` and ``_fma.py``.
+"""LLVM code generation helpers shared by the intrinsics of ``_vnni.py``, ``_fma.py``, ``_avx2.py``
+and the others built on them (the gated delta rule's prefetch, ``gated_delta_scan/``).
 
 Siblings in ``lowbit/ops/packed_matmul/_numba/``: ``_vnni.py`` (integer VNNI kernels), ``_fma.py``
 (float32 FMA tiles), ``__init__.py``. Plain Python that emits IR, no kernels: the intrinsics and
@@ -10,6 +11,7 @@ import llvmlite.binding as llvm
 import numba
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 
 
 def host_features():
@@ -30,6 +32,20 @@ def ptr(builder, base, offset, to=ir.IntType(8)):
     """Pointer to a value of type ``to`` at byte ``offset`` from ``base``."""
     byte = builder.gep(builder.bitcast(base, ir.IntType(8).as_pointer()), [offset])
     return builder.bitcast(byte, to.as_pointer())
+
+
+def prefetch(builder, address, write=False, locality=3):
+    """Emit ``llvm.prefetch`` of the cache line at ``address`` (any pointer) into the data cache:
+    for reading or ``write``, ``locality`` 3 into every level (``prefetcht0``), 2 into L2 and
+    outward (``prefetcht1``). A hint: it changes no value and never faults."""
+    byte = ir.IntType(8).as_pointer()
+    i32 = ir.IntType(32)
+    # The typed-pointer name of Numba's older LLVMs; newer ones upgrade it to theirs.
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [byte, i32, i32, i32]),
+        "llvm.prefetch.p0i8")
+    builder.call(fn, [builder.bitcast(address, byte), ir.Constant(i32, int(write)),
+                      ir.Constant(i32, locality), ir.Constant(i32, 1)])
 
 
 def counted_loop(builder, intp, count, initial, step, name):
