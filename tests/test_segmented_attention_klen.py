@@ -162,6 +162,30 @@ def test_numba_decode_does_not_depend_on_thread_count(rng):
         assert_equal("lse", results[0][1], lse)
 
 
+def test_numba_decode_splits_per_segment(rng):
+    # Each key segment is split by its own length (``split_keys``: 1100 keys in items of the
+    # largest size, 128; 300 in items of 64; 40 in items of 32): a sequence's result matches the
+    # reference and is the same bits alone as beside others of other lengths.
+    if "numba" not in lowbit.available_backends():
+        pytest.skip("numba is not installed")
+    from lowbit.ops.segmented_attention import _numba_decode
+
+    assert _numba_decode.split_keys(np.array([1100, 300, 40])).tolist() == [
+        _numba_decode.MAX_SPLIT_KEYS, 64, _numba_decode.SPLIT_KEYS]
+    q, k, v, _ = _inputs(rng, [1, 1, 1], [1100, 300, 40], 4, 2, 16, 8, np.float32)
+    with lowbit.use_backend("numba"):
+        out = lowbit.segmented_attention(q, k, v, [1, 1, 1], k_lengths=[1100, 300, 40],
+                                         causal=True)
+        first = lowbit.segmented_attention(q[:1], k[:1100], v[:1100], [1], k_lengths=[1100],
+                                           causal=True)
+        last = lowbit.segmented_attention(q[2:], k[1400:], v[1400:], [1], k_lengths=[40],
+                                          causal=True)
+    ref, _ = segmented_attention_ref(q, k, v, [1, 1, 1], None, True, [1100, 300, 40])
+    assert_close("out", ref, out, RTOL[np.float32], RTOL[np.float32])
+    assert_equal("the first alone vs in the batch", first, out[:1])
+    assert_equal("the last alone vs in the batch", last, out[2:])
+
+
 def test_reference_backward_matches_finite_differences(rng):
     # Chunked, more queries than keys (rows without keys: zero gradient), an empty segment.
     lengths, k_lengths = [2, 4, 0, 2], [5, 2, 3, 2]
