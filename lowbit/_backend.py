@@ -13,6 +13,7 @@ import importlib.util
 import os
 import threading
 import warnings
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterator
 
@@ -153,30 +154,68 @@ def empty(shape: int | tuple[int, ...], dtype: DTypeLike, xp: Any = np) -> Any:
 def numba_cache_guard(package_file: str, *owners: str) -> None:
     """Make Numba's on-disk cache see edits to every file a kernel package depends on.
 
-    Numba (``cache=True``) keys each cached kernel on the stamp (mtime, size) of its own source
-    file, and freezes the globals and inlined helpers it reads from other files. Called at the top
-    of a kernel package's ``__init__`` (or of a kernel module, for the files beside it), this gives
-    every ``.py`` file of that folder the newest mtime among them and the ``owners`` (the modules
-    whose constants the kernels import), so an edit to any of them changes the stamp of every
-    kernel file and the kernels recompile. Once equal, the stamps stay put: no recompiles on later
-    imports. A read-only install is left as is (nothing there can be edited).
+    Numba (``cache=True``) keys each cached kernel on its own source file only (its mtime and
+    size in older Numba, a hash of its contents in newer ones such as 0.68), and freezes into the
+    cached code the globals and inlined helpers it reads from other files: an edit there, or an
+    upgrade that changes only those files, would leave the kernel stale. Called at the top of a
+    kernel package's ``__init__`` (or of a kernel module, for the files beside it), before its
+    kernels are imported, this keeps a SHA-256 of the contents of every ``.py`` file of that
+    folder and of the ``owners`` (the modules whose constants the kernels import) in the folder's
+    Numba cache directory, the one Numba picks for those files (``NUMBA_CACHE_DIR``, else
+    ``__pycache__`` where writable, else the user-wide cache); where it is missing or differs,
+    the folder's cached kernels (``*.nbi``, ``*.nbc``) are deleted first and the digest written
+    (to a temporary file, then renamed). Unchanged sources cost a read and a hash of them.
 
     Args:
         package_file: ``__file__`` of the package's ``__init__.py`` or of the kernel module.
         owners: paths of further source files the kernels depend on.
     """
-    import os
-    from pathlib import Path
+    import hashlib
 
-    files = sorted(Path(package_file).parent.glob("*.py"))
-    newest = max(os.stat(p).st_mtime_ns for p in [*files, *map(Path, owners)])
-    for path in files:
-        stat = os.stat(path)
-        if stat.st_mtime_ns != newest:
-            try:
-                os.utime(path, ns=(stat.st_atime_ns, newest))
-            except OSError:
-                return
+    source = Path(package_file).resolve()
+    cache = _numba_cache_dir(source)
+    if cache is None:
+        return
+    digest = hashlib.sha256()
+    for path in [*sorted(source.parent.glob("*.py")), *(Path(p).resolve() for p in owners)]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    stamp = cache / f"lowbit-sources-{source.stem}.sha256"
+    try:
+        if stamp.read_text() == digest.hexdigest():
+            return
+    except OSError:
+        pass
+    try:
+        for old in [*cache.glob("*.nbi"), *cache.glob("*.nbc")]:
+            old.unlink(missing_ok=True)
+        tmp = stamp.with_name(f"{stamp.name}.{os.getpid()}.tmp")
+        tmp.write_text(digest.hexdigest())
+        os.replace(tmp, stamp)
+    except OSError:  # another process may be clearing it too; Numba recompiles what is gone
+        pass
+
+
+def _numba_cache_dir(source: Path) -> Path | None:
+    """The folder Numba caches the kernels of ``source`` in (by its own locators, in its order),
+    or None where it caches nowhere (or JIT is off)."""
+    import numba
+    from numba.core import caching
+
+    if getattr(numba.config, "DISABLE_JIT", False):
+        return None
+
+    def probe():
+        pass
+
+    impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl", None)
+    for locator_class in getattr(impl, "_locator_classes", ()):
+        try:
+            locator = locator_class.from_function(probe, str(source))
+        except Exception:  # a locator that cannot serve a plain source file
+            continue
+        if locator is not None:
+            return Path(locator.get_cache_path())
+    return None
 
 
 def _openblas_functions(name: str) -> list[tuple[str, Any]]:

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -111,18 +112,51 @@ def test_never_runs_catches_every_backend_call(never_runs):
         assert lowbit.pack_bits(codes, 2).shape == (2,)
 
 
-def test_numba_cache_guard_restamps_the_package_when_any_source_changes(tmp_path):
-    package, owner = tmp_path / "kernels", tmp_path / "owner.py"
+_GUARDED_KERNEL = """
+import numba
+from ._c import VALUE
+from owner import OFFSET
+
+
+@numba.njit(cache=True)
+def f():
+    return VALUE + OFFSET
+"""
+
+
+@pytest.mark.skipif("numba" not in lowbit.available_backends(), reason="needs numba")
+@pytest.mark.parametrize("cache_dir", [False, True], ids=["in-tree", "NUMBA_CACHE_DIR"])
+def test_numba_cache_guard_recompiles_kernels_after_an_edit_elsewhere(tmp_path, cache_dir):
+    """A cached kernel freezes constants it imports from another file of its package and from an
+    owner outside it; Numba keys the cache on the kernel's own file only, so without the guard
+    the edits below would return the old constants."""
+    package = tmp_path / "kern"
     package.mkdir()
-    files = [package / name for name in ("__init__.py", "_a.py", "_b.py")]
-    for i, path in enumerate([*files, owner]):
-        path.write_text(f"X = {i}\n")
-        os.utime(path, ns=(10**18, 10**18 + i * 10**9))
-    _backend.numba_cache_guard(str(files[0]), str(owner))
-    newest = owner.stat().st_mtime_ns
-    assert [p.stat().st_mtime_ns for p in files] == [newest] * 3
-    # An edit to one kernel file moves every stamp of the package to it.
-    os.utime(files[1], ns=(10**18, newest + 5 * 10**9))
-    _backend.numba_cache_guard(str(files[0]), str(owner))
-    assert [p.stat().st_mtime_ns for p in files] == [newest + 5 * 10**9] * 3
-    assert owner.stat().st_mtime_ns == newest  # owners are read, never restamped
+    (package / "__init__.py").write_text(
+        "import os\nfrom lowbit import _backend\n"
+        "_backend.numba_cache_guard(__file__, os.path.join(os.path.dirname(__file__), "
+        "'..', 'owner.py'))\n")
+    (package / "_k.py").write_text(_GUARDED_KERNEL)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NUMBA_CACHE_DIR", "NUMBA_DISABLE_JIT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(Path(lowbit.__file__).parents[1])])
+    if cache_dir:
+        env["NUMBA_CACHE_DIR"] = str(tmp_path / "cache")
+    code = ("from kern._k import f; v = f(); "
+            "print(v, sum(f.stats.cache_hits.values()), sum(f.stats.cache_misses.values()))")
+
+    def run(value, offset):
+        (package / "_c.py").write_text(f"VALUE = {value}\n")
+        (tmp_path / "owner.py").write_text(f"OFFSET = {offset}\n")
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return tuple(int(v) for v in out.stdout.split())
+
+    assert run(1, 10) == (11, 0, 1)  # compiled and cached
+    assert run(1, 10) == (11, 1, 0)  # loaded from the cache
+    assert run(2, 10)[0] == 12  # an edit to a sibling file of the kernel's package
+    assert run(2, 30)[0] == 32  # an edit to the owner
+    assert run(2, 30) == (32, 1, 0)  # and cached again
+    cache = (tmp_path / "cache") if cache_dir else package / "__pycache__"
+    assert list(cache.rglob("lowbit-sources-__init__.sha256"))

@@ -33,13 +33,13 @@ this package:
 
 An njit kernel here calls no njit function or intrinsic of another file, with three exceptions:
 ``_backward.py``'s block kernels call ``_blas.gemm`` and ``_decode.decode_codes_f32_into``
-(files of this package, which the guard below restamps together), and the float32 tile loop
+(files of this package, which the guard below covers together), and the float32 tile loop
 ``_fma.panel_block`` and ``_blas.gemm`` are also called from outside, by the numba kernels of
 ``lowbit/ops/segmented_attention`` and ``gated_delta_scan``, which guard their own cache against
 edits of those files; the constants they import
 (format bits and code ranges from ``lowbit/ops/quantize``) are frozen into Numba's on-disk cache,
-which keys each kernel on its own file only, so ``numba_cache_guard`` below restamps the package
-whenever one of its files or that owner changes.
+which keys each kernel on its own file only, so ``numba_cache_guard`` below clears the package's
+cached kernels whenever one of its files or that owner changes.
 """
 
 import numba

@@ -4,7 +4,8 @@ and the others built on them (the gated delta rule's prefetch, ``gated_delta_sca
 Siblings in ``lowbit/ops/packed_matmul/_numba/``: ``_vnni.py`` (integer VNNI kernels), ``_fma.py``
 (float32 FMA tiles), ``__init__.py``. Plain Python that emits IR, no kernels: the intrinsics and
 the kernels that call them stay together in their own files, and ``numba_cache_guard`` in
-``__init__.py`` restamps the package, so an edit here recompiles every cached kernel built with it.
+``__init__.py`` clears the package's cached kernels, so an edit here recompiles every one built
+with it.
 """
 
 import llvmlite.binding as llvm

@@ -13,8 +13,8 @@ groups (see ``_sparse.py``). Below ``SERIAL_ELEMENTS`` the serial functions run 
 
 Numba caches each kernel keyed on its own file only and freezes the globals and inlined helpers
 it reads from other files (``_common.py``, constants of ``lowbit.ops.saved_activation`` and
-``lowbit.ops.quantize``): ``numba_cache_guard`` below restamps the package whenever any of them
-changes, so the cached kernels recompile.
+``lowbit.ops.quantize``): ``numba_cache_guard`` below clears the package's cached kernels
+whenever any of them changes, so they recompile.
 """
 import numpy as np
 

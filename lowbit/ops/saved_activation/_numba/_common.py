@@ -8,8 +8,8 @@ Package ``lowbit/ops/saved_activation/_numba/``: imported by ``_pack_dense.py`` 
 ``lowbit/ops/saved_activation/__init__.py``.
 
 Numba caches each kernel keyed on its own file only; ``__init__.py``'s ``numba_cache_guard``
-restamps the package when this file or those owners change, so the kernels that inline ``noise``
-recompile.
+clears the package's cached kernels when this file or those owners change, so the kernels that
+inline ``noise`` recompile.
 """
 import numba
 import numpy as np
