@@ -38,7 +38,7 @@ TARGET_NEEDS = {"haswell": ("avx2", "fma", "bmi2"), "alderlake": ("avx2", "fma",
                                                                    "avx_vnni")}
 
 #: /proc/cpuinfo flags that decide a kernel.
-FLAGS = ("avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni",
+FLAGS = ("avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
          "amx_int8", "amx_bf16")
 
 

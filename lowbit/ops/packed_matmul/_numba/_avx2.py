@@ -6,9 +6,9 @@ Siblings in ``lowbit/ops/packed_matmul/_numba/``: ``__init__.py`` (the choice of
 use), ``_gemv.py`` / ``_gemm_f64.py`` (portable), ``_llvm.py`` (the IR helpers). The intrinsics
 and the kernels that call them share this file for Numba's cache (see ``_vnni.py``). Every
 variant is chosen when the module is imported, from the features of the CPU Numba compiles for
-(``AVAILABLE``: AVX2; ``AVX_VNNI``: the 256-bit ``vpdpbusd``, LLVM feature ``+avxvnni``;
-``WIDE``: AVX-512 VNNI, the GEMV on 512-bit vectors); that feature list is part of the key of
-every cached kernel, so a cache never mixes them.
+(``AVAILABLE``: AVX2; ``AVX_VNNI``: the 256-bit ``vpdpbusd``, LLVM feature ``+avxvnni`` or
+AVX-512 VNNI with VL; ``WIDE``: AVX-512 VNNI, the GEMV on 512-bit vectors); that feature list is
+part of the key of every cached kernel, so a cache never mixes them.
 
 Products (exact int32; ``u``: the unsigned weight operand, ``x``: int8 activation codes):
 
@@ -23,7 +23,10 @@ Products (exact int32; ``u``: the unsigned weight operand, ``x``: int8 activatio
   when all four inputs are -32768);
 - AVX-VNNI: ``vpdpbusd`` (four u8 x s8 products added to an int32 lane, no saturation), the
   intrinsic ``llvm.x86.avx512.vpdpbusd.256``, which LLVM encodes with VEX (``{vex} vpdpbusd``
-  on ymm registers) when the target has ``+avxvnni`` and not AVX-512 VL; int8 weights as in
+  on ymm registers) when the target has ``+avxvnni``, and with EVEX when it has AVX-512 VNNI and
+  VL instead: the same operation, which a CPU with AVX-512 VNNI and no AVX-VNNI (Cascade Lake and
+  Ice Lake servers, Zen 4) executes, so these kernels run and are checked there too (in
+  production such a CPU runs the 512-bit kernels of ``_vnni.py``); int8 weights as in
   ``_vnni.py``, with the sign bit flipped (raw sum offset by ``128 * sum(x)``);
 - AVX-512 VNNI (GEMV only): the same on zmm registers, ``llvm.x86.avx512.vpdpbusd.512``.
 
@@ -57,8 +60,9 @@ from ._vnni import _planes
 _FEATURES = host_features()
 #: True when the target CPU has AVX2 (256-bit integer vectors, ``vpmaddubsw``).
 AVAILABLE = "+avx2" in _FEATURES
-#: True when it also has AVX-VNNI (the VEX-encoded 256-bit ``vpdpbusd``).
-AVX_VNNI = AVAILABLE and "+avxvnni" in _FEATURES
+#: True when it also has the 256-bit ``vpdpbusd``: AVX-VNNI (VEX-encoded), or AVX-512 VNNI with
+#: VL (EVEX-encoded, the same operation).
+AVX_VNNI = AVAILABLE and ("+avxvnni" in _FEATURES or {"+avx512vnni", "+avx512vl"} <= _FEATURES)
 #: True when it has AVX-512 VNNI: the GEMV then runs on 512-bit vectors (``vpdpbusd`` on zmm).
 WIDE = {"+avx512vnni", "+avx512bw"} <= _FEATURES
 #: Whether the GEMV multiplies with ``vpdpbusd`` (else ``vpmaddubsw``).
