@@ -3,7 +3,8 @@
 Siblings: ``__init__.py``, ``_numpy.py``, ``_cuda.py``; reference ``reference/quantize.py``.
 Quotients are formed in the input's dtype and rounded half to even (``np.rint``), as in the
 reference, so codes agree exactly. The scale floor and the format constants come from
-``__init__``; Numba freezes them into the cached kernels (its cache tracks only this file).
+``__init__``; Numba freezes them into the cached kernels (its cache tracks only this file), so
+``numba_cache_guard`` below clears them when a file of this folder changes.
 """
 
 import numba
@@ -11,6 +12,8 @@ import numpy as np
 
 from ... import _backend
 from . import EPS, WEIGHT_FORMATS, WEIGHT_QMAX
+
+_backend.numba_cache_guard(__file__)  # the kernels freeze constants of ``__init__.py``
 
 #: Largest int8 weight code (the kernels read it as a compile-time constant).
 _INT8_QMAX = WEIGHT_QMAX["int8"]
