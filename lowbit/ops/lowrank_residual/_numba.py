@@ -31,10 +31,11 @@ import numba
 import numpy as np
 
 from ... import _backend
-from ..packed_matmul._numba import _fma
+from ..packed_matmul._numba import _fma, _llvm
 
-# The tile kernels call the tiles of ``_fma.py``, which Numba's cache does not key on.
-_backend.numba_cache_guard(__file__, _fma.__file__)
+# The tile kernels call the tiles of ``_fma.py`` (emitted with ``_llvm.py``'s helpers), which
+# Numba's cache does not key on.
+_backend.numba_cache_guard(__file__, _fma.__file__, _llvm.__file__)
 
 #: Whether the attention runs the register tiles (else BLAS; on AVX2, Zen 3, the tiles win too:
 #: ``_fma.py``'s docstring).
