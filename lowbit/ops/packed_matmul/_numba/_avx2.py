@@ -42,7 +42,8 @@ fields masked in place (one shift a block, not three), int16 sums over five bloc
 software prefetch ``PREFETCH_BYTES`` ahead of the weight row (together 1.11-1.13x BitNet 2B's
 decode projections from DRAM, compiled for Haswell on a 2-core EPYC Zen 4). On AVX-512 VNNI
 neither the masks in place nor the prefetch moved that GEMV beyond the run-to-run noise
-(0.98-1.07x, int8 weights 0.92x with the prefetch), so they are not used there.
+(0.98-1.07x, int8 weights 0.92x with the prefetch), so they are not used there; the 256-bit
+``vpdpbusd`` GEMV (AVX-VNNI) prefetches for one row of 2- and 1-bit fields (``PREFETCH_DPBUSD``).
 
 The GEMM (more rows) is in ``_avx2_gemm.py``; it builds on the IR helpers here.
 """
@@ -162,6 +163,12 @@ TERNARY_SPAN = 5
 #: with ``_ternary_row``'s sums, in one process: 1536 bytes 1.10x, 2048 1.13x, 3072 1.13x
 #: the kernel before either change (its sums alone: 0.96-1.03x; 4096 bytes 1.08x, 8192 1.06x).
 PREFETCH_BYTES = 2048
+#: Whether the 256-bit ``vpdpbusd`` GEMV (AVX-VNNI) prefetches as far ahead for one activation
+#: row against 2- and 1-bit fields: the same EPYC compiling for Alder Lake with the EVEX
+#: ``vpdpbusd`` (see above), the 120 projections from DRAM in one process, ternary 1.07-1.18x,
+#: sign (the same shapes) 1.14-1.17x, in cache 1.00-1.03x; not for int8 weights (0.94x), not on
+#: 512-bit vectors (noise-level), nor in AVX2's ``vpmaddubsw`` GEMV of sign weights (1.03x).
+PREFETCH_DPBUSD = AVX_VNNI and not WIDE
 
 
 def _ternary_products(builder, row, at, offset):
@@ -289,6 +296,9 @@ def dot_group(bits, rows):
 
                 def step(it, accs):
                     start = builder.add(args[5], builder.mul(it, const(block)))
+                    if PREFETCH_DPBUSD and rows == 1 and bits < 8:
+                        prefetch(builder, ptr(builder, row,
+                                              builder.add(start, const(PREFETCH_BYTES))))
                     offs = [builder.add(start, const(v * GEMV_VECTOR_BYTES))
                             for v in range(vectors)]
                     new = list(accs)
