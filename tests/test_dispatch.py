@@ -140,6 +140,7 @@ def test_numba_cache_guard_recompiles_kernels_after_an_edit_elsewhere(tmp_path, 
     env = {k: v for k, v in os.environ.items()
            if k not in ("NUMBA_CACHE_DIR", "NUMBA_DISABLE_JIT")}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(Path(lowbit.__file__).parents[1])])
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # a .pyc keyed on a whole-second mtime could go stale
     if cache_dir:
         env["NUMBA_CACHE_DIR"] = str(tmp_path / "cache")
     code = ("from kern._k import f; v = f(); "
