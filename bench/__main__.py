@@ -14,7 +14,8 @@ run would not use is refused (exit 2), and ``--check`` makes the exit status 1 w
 missed (without it, a missed target is reported and the exit status stays 0). ``--cpu-target``
 reruns the command in a subprocess whose Numba compiles for another CPU (``bench/cpu.py``'s
 ``TARGETS``: the AVX2 laptop, Alder Lake's AVX-VNNI) with OpenBLAS on its Haswell kernels, so
-the kernels of those CPUs are timed on any host that can execute them.
+the kernels of those CPUs are timed on any host that can execute them (Alder Lake's integer
+kernels also on a host with AVX-512 VNNI instead of AVX-VNNI: ``cpu.ALDERLAKE_EVEX``).
 """
 
 from __future__ import annotations
@@ -69,9 +70,9 @@ def parser() -> argparse.ArgumentParser:
                    help="train only: data-parallel under mpiexec (bench/train_distributed.py)")
     p.add_argument("--cpu-target", choices=("haswell", "alderlake"), default=None,
                    help="run in a subprocess with Numba compiling for this CPU (haswell: AVX2 "
-                        "only, as most laptops; alderlake: AVX2 and AVX-VNNI), its own Numba "
-                        "cache, and OpenBLAS on its Haswell kernels; the host must be able to "
-                        "execute them")
+                        "only, as most laptops; alderlake: AVX2 and AVX-VNNI, on an AVX-512 "
+                        "VNNI host its integer kernels only), its own Numba cache, and OpenBLAS "
+                        "on its Haswell kernels; the host must be able to execute them")
     p.add_argument("--check", action="store_true",
                    help="exit status 1 when a target is missed (default: reported, exit 0)")
     return p
@@ -152,13 +153,17 @@ def _run_on_target(target: str, argv: list) -> int:
     environment (``metadata.cpu_facts``)."""
     import subprocess
 
-    from .cpu import target_env
+    from .cpu import ALDERLAKE_EVEX, target_env
 
     rest = [a for i, a in enumerate(argv) if a != "--cpu-target" and not a.startswith(
         "--cpu-target=") and (i == 0 or argv[i - 1] != "--cpu-target")]
     env = target_env(target, os.environ)
     print(f"--cpu-target {target}: NUMBA_CPU_NAME={target}, NUMBA_CACHE_DIR="
           f"{env['NUMBA_CACHE_DIR']}, OPENBLAS_CORETYPE=Haswell", flush=True)
+    if env["NUMBA_CPU_FEATURES"] == ALDERLAKE_EVEX:
+        print("  this CPU has AVX-512 VNNI, not AVX-VNNI: the integer kernels are Alder Lake's "
+              "with vpdpbusd EVEX-encoded; the float kernels take this CPU's 512-bit paths",
+              flush=True)
     return subprocess.call([sys.executable, "-m", "bench", *rest], env=env)
 
 

@@ -36,6 +36,17 @@ TARGETS = {
 #: /proc/cpuinfo flags a host needs to execute each target's kernels.
 TARGET_NEEDS = {"haswell": ("avx2", "fma", "bmi2"), "alderlake": ("avx2", "fma", "bmi2",
                                                                    "avx_vnni")}
+#: Alder Lake's kernels where the host has AVX-512 VNNI and VL but not AVX-VNNI (Cascade Lake and
+#: Ice Lake servers, Zen 4): Alder Lake's features with AVX-512 F, VL and VNNI on and AVX-VNNI off
+#: (BW stays off, so the GEMV stays on 256 bits), under which LLVM encodes the same 256-bit
+#: ``vpdpbusd`` with EVEX (with ``+avxvnni`` as well it would pick VEX where it can). Only the
+#: integer kernels are then Alder Lake's: with AVX-512 F on, the float ones (register tiles, table
+#: lookups) take their 512-bit paths.
+ALDERLAKE_EVEX = (TARGETS["alderlake"].replace(",+avxvnni", ",-avxvnni")
+                  .replace("-avx512f,", "+avx512f,").replace("-avx512vl,", "+avx512vl,")
+                  .replace("-avx512vnni,", "+avx512vnni,"))
+#: /proc/cpuinfo flags a host needs for ``ALDERLAKE_EVEX``.
+EVEX_NEEDS = ("avx2", "fma", "bmi2", "avx512vl", "avx512_vnni")
 
 #: /proc/cpuinfo flags that decide a kernel.
 FLAGS = ("avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
@@ -55,21 +66,36 @@ def host_flags() -> dict:
 
 
 def target_env(target: str, environ: dict) -> dict:
-    """``environ`` with Numba compiling for ``target`` (its own cache folder beside the host's,
-    under the temporary directory) and OpenBLAS on its Haswell kernels, as on that CPU."""
+    """``environ`` with Numba compiling for ``target`` (``target_features``; its own cache folder
+    beside the host's, under the temporary directory) and OpenBLAS on its Haswell kernels, as on
+    that CPU."""
     import tempfile
 
     cache = os.path.join(tempfile.gettempdir(), f"lowbit-numba-cache-{target}")
-    return dict(environ, NUMBA_CPU_NAME=target, NUMBA_CPU_FEATURES=TARGETS[target],
+    features = target_features(target) or TARGETS[target]
+    return dict(environ, NUMBA_CPU_NAME=target, NUMBA_CPU_FEATURES=features,
                 NUMBA_CACHE_DIR=cache, OPENBLAS_CORETYPE="Haswell")
+
+
+def target_features(target: str) -> str | None:
+    """The ``NUMBA_CPU_FEATURES`` under which this host runs ``target``'s kernels: the target's
+    own where the host has its flags, ``ALDERLAKE_EVEX`` for Alder Lake on a host with AVX-512
+    VNNI and VL instead of AVX-VNNI; None where it can run neither."""
+    flags = host_flags()
+    if all(flags.get(f) for f in TARGET_NEEDS[target]):
+        return TARGETS[target]
+    if target == "alderlake" and all(flags.get(f) for f in EVEX_NEEDS):
+        return ALDERLAKE_EVEX
+    return None
 
 
 def target_refusal(target: str) -> str | None:
     """Why this host cannot execute ``target``'s kernels (None: it can)."""
+    if target_features(target) is not None:
+        return None
     flags = host_flags()
     missing = [f for f in TARGET_NEEDS[target] if not flags.get(f)]
-    return (f"this CPU lacks {', '.join(missing)}: {target}'s kernels cannot run here"
-            if missing else None)
+    return f"this CPU lacks {', '.join(missing)}: {target}'s kernels cannot run here"
 
 
 def _blas() -> list[dict]:

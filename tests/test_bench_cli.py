@@ -122,6 +122,44 @@ def test_a_forced_cpu_target_runs_and_is_recorded(tmp_path):
         "table lookups in 8-lane registers")
 
 
+def test_alderlake_features_follow_the_host_flags(monkeypatch):
+    """Alder Lake's own features where the host has AVX-VNNI; the EVEX variant (AVX-512 F, VL and
+    VNNI on, AVX-VNNI and BW off) where it has AVX-512 VNNI and VL instead; else refused."""
+    from bench import cpu
+
+    base = {"avx2": True, "fma": True, "bmi2": True}
+    for flags, want in [({"avx_vnni": True}, cpu.TARGETS["alderlake"]),
+                        ({"avx512vl": True, "avx512_vnni": True}, cpu.ALDERLAKE_EVEX),
+                        ({"avx512_vnni": True}, None)]:
+        monkeypatch.setattr(cpu, "host_flags", lambda flags=flags: {**base, **flags})
+        assert cpu.target_features("alderlake") == want
+        assert (cpu.target_refusal("alderlake") is None) == (want is not None)
+    evex = set(cpu.ALDERLAKE_EVEX.split(","))
+    assert {"+avx512f", "+avx512vl", "+avx512vnni", "-avxvnni", "-avx512bw"} <= evex
+    assert "+avxvnni" not in evex
+
+
+def test_alderlake_target_runs_and_is_recorded(tmp_path):
+    """``--cpu-target alderlake`` where the host can run it (AVX-VNNI, or AVX-512 VNNI and VL):
+    the integer kernels it reports are the AVX-VNNI ones and the result file records the
+    features it compiled with."""
+    from bench import cpu
+
+    features = cpu.target_features("alderlake")
+    if features is None:
+        pytest.skip(cpu.target_refusal("alderlake"))
+    proc = subprocess.run([sys.executable, "-m", "bench", "cpu", "--cpu-target", "alderlake",
+                           "--results", str(tmp_path)], cwd=_harness.REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    facts = json.loads((tmp_path / "cpu.json").read_text())["metadata"]["cpu_facts"]
+    assert facts["numba_target"] == "alderlake"
+    assert facts["env"]["NUMBA_CPU_FEATURES"] == features
+    assert facts["kernels"]["packed_matmul gemv (<= 32 rows)"] == "avx-vnni"
+    assert facts["kernels"]["packed_matmul gemm"] == "avx-vnni"
+    assert ("EVEX" in proc.stdout) == (features == cpu.ALDERLAKE_EVEX)
+
+
 def test_gpu_without_cupy_or_a_device_fails_early(capsys, monkeypatch, no_work):
     monkeypatch.setattr(cli, "backend_unavailable_reason",
                         lambda name: "cupy found no CUDA device: ..." if name == "cuda" else None)

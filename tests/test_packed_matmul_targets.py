@@ -39,11 +39,6 @@ from lowbit.reference.quantize import (quantize_activation_ref, quantize_weight_
                                        unpack_weight_ref)
 
 HASWELL, ALDERLAKE = cpu.TARGETS["haswell"], cpu.TARGETS["alderlake"]
-#: Alder Lake's features with AVX-512 F, VL and VNNI on and AVX-VNNI off (AVX-512 BW stays off, so
-#: the GEMV stays on 256 bits): ``_avx2.AVX_VNNI`` holds and LLVM encodes ``vpdpbusd`` on ymm with
-#: EVEX (with ``+avxvnni`` as well it would pick VEX where it can).
-ALDERLAKE_EVEX = (ALDERLAKE.replace(",+avxvnni", ",-avxvnni").replace("-avx512f,", "+avx512f,")
-                  .replace("-avx512vl,", "+avx512vl,").replace("-avx512vnni,", "+avx512vnni,"))
 
 FORMATS = ("ternary", "sign", "int8")
 # (M, K, N): GEMV rows 1 and 3 (one 4-row group and a remainder), 32 (the GEMV's largest),
@@ -342,25 +337,15 @@ assert lines and all("%ymm" in l and "{vex}" not in l for l in lines), lines[:4]
 """
 
 
-def _vnni_features():
-    """The features under which this host runs the AVX-VNNI kernels: Alder Lake's where it has
-    AVX-VNNI, their EVEX variant where it has AVX-512 VNNI and VL; None where neither."""
-    if cpu.target_refusal("alderlake") is None:
-        return ALDERLAKE
-    flags = cpu.host_flags()
-    evex = all(flags.get(f) for f in ("avx2", "fma", "bmi2", "avx512vl", "avx512_vnni"))
-    return ALDERLAKE_EVEX if evex else None
-
-
-@pytest.mark.skipif(_vnni_features() is None,
+@pytest.mark.skipif(cpu.target_features("alderlake") is None,
                     reason="this CPU has neither AVX-VNNI nor AVX-512 VNNI with VL: the Alder "
                            "Lake kernels are compiled and their assembly checked, not run")
 def test_alderlake_target_matches_reference(tmp_path):
     """The AVX-VNNI kernels run and checked (every format and shape, the int16 bounds, weights
     before an unreadable page), VEX-encoded where the host has AVX-VNNI, else EVEX-encoded (the
     GEMV's assembly checked for it: the same kernels, not the 512-bit ones)."""
-    features = _vnni_features()
-    check = _EVEX_ASM if features == ALDERLAKE_EVEX else ""
+    features = cpu.target_features("alderlake")  # Alder Lake's, or cpu.ALDERLAKE_EVEX
+    check = _EVEX_ASM if features == cpu.ALDERLAKE_EVEX else ""
     out = _subprocess(tmp_path, "alderlake", features,
                       check + "import test_packed_matmul_targets as t; t._run_checks('avxvnni'); "
                       "t._guard_checks(); print('ok')")
