@@ -99,6 +99,18 @@ def test_a_cpu_target_the_host_cannot_execute_is_refused(capsys, monkeypatch, no
     assert code == 2 and "this CPU lacks avx_vnni" in err
 
 
+def _bench_cpu_on(target, tmp_path):
+    """``python -m bench cpu --cpu-target target``: its stdout and the CPU facts its result file
+    records (compiled for that target)."""
+    proc = subprocess.run([sys.executable, "-m", "bench", "cpu", "--cpu-target", target,
+                           "--results", str(tmp_path)], cwd=_harness.REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    facts = json.loads((tmp_path / "cpu.json").read_text())["metadata"]["cpu_facts"]
+    assert facts["numba_target"] == target
+    return proc.stdout, facts
+
+
 def test_a_forced_cpu_target_runs_and_is_recorded(tmp_path):
     """``--cpu-target haswell`` reruns the command in a process compiling for Haswell, with
     OpenBLAS on its Haswell kernels: the kernels it reports are the AVX2 ones, and the result
@@ -107,12 +119,7 @@ def test_a_forced_cpu_target_runs_and_is_recorded(tmp_path):
 
     if cpu.target_refusal("haswell"):
         pytest.skip(cpu.target_refusal("haswell"))
-    proc = subprocess.run([sys.executable, "-m", "bench", "cpu", "--cpu-target", "haswell",
-                           "--results", str(tmp_path)], cwd=_harness.REPO, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    facts = json.loads((tmp_path / "cpu.json").read_text())["metadata"]["cpu_facts"]
-    assert facts["numba_target"] == "haswell"
+    _, facts = _bench_cpu_on("haswell", tmp_path)
     assert facts["env"]["NUMBA_CPU_FEATURES"] == cpu.TARGETS["haswell"]
     assert facts["env"]["OPENBLAS_CORETYPE"] == "Haswell"
     assert facts["kernels"]["packed_matmul gemv (<= 32 rows)"] == "avx2"
@@ -148,16 +155,11 @@ def test_alderlake_target_runs_and_is_recorded(tmp_path):
     features = cpu.target_features("alderlake")
     if features is None:
         pytest.skip(cpu.target_refusal("alderlake"))
-    proc = subprocess.run([sys.executable, "-m", "bench", "cpu", "--cpu-target", "alderlake",
-                           "--results", str(tmp_path)], cwd=_harness.REPO, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    facts = json.loads((tmp_path / "cpu.json").read_text())["metadata"]["cpu_facts"]
-    assert facts["numba_target"] == "alderlake"
+    out, facts = _bench_cpu_on("alderlake", tmp_path)
     assert facts["env"]["NUMBA_CPU_FEATURES"] == features
     assert facts["kernels"]["packed_matmul gemv (<= 32 rows)"] == "avx-vnni"
     assert facts["kernels"]["packed_matmul gemm"] == "avx-vnni"
-    assert ("EVEX" in proc.stdout) == (features == cpu.ALDERLAKE_EVEX)
+    assert ("EVEX" in out) == (features == cpu.ALDERLAKE_EVEX)
 
 
 def test_gpu_without_cupy_or_a_device_fails_early(capsys, monkeypatch, no_work):
